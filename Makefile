@@ -1,0 +1,39 @@
+# Two commands a newcomer needs (README): `make demo` and `make test`.
+# Each creates .venv if needed, installs what it needs, and runs.
+PYTHON ?= python3
+VENV ?= .venv
+# CI and the CPU dev box take the CPU wheel on local disk. On a GPU machine:
+#   make demo TORCH_SPEC="torch" (or pre-install your CUDA torch into .venv first).
+TORCH_SPEC ?= torch==2.13.0
+PIP = $(VENV)/bin/python -m pip
+CONSTRAINTS = -c constraints.txt
+
+.PHONY: demo test lint bench clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(VENV)/.torch: | $(VENV)/bin/python
+	$(PIP) install -q "$(TORCH_SPEC)"
+	touch $@
+
+$(VENV)/.demo: pyproject.toml constraints.txt $(VENV)/.torch
+	$(PIP) install -q $(CONSTRAINTS) -e ".[plot]"
+	touch $@
+
+$(VENV)/.dev: pyproject.toml constraints.txt $(VENV)/.torch
+	$(PIP) install -q $(CONSTRAINTS) -e ".[dev]"
+	touch $@ $(VENV)/.demo
+
+demo: $(VENV)/.demo
+	$(VENV)/bin/hf-memkit demo
+
+test: $(VENV)/.dev
+	$(VENV)/bin/python -m pytest -q
+
+lint: $(VENV)/.dev
+	$(VENV)/bin/ruff check hf_memkit tests bench
+
+clean:
+	rm -rf $(VENV) demo_output .pytest_cache

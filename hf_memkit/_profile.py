@@ -1,0 +1,271 @@
+"""What the model is: ``profile_model`` -> ``ModelProfile`` (parameter counts and architecture).
+
+Works on a loaded model (any device, meta included), a ``PretrainedConfig``, a catalog name or a
+local directory. A config is instantiated on the meta device, so no weights are ever allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import transformers
+from transformers import PretrainedConfig, PreTrainedModel
+
+from ._errors import HfMemkitError
+from ._model_catalog import resolve_config
+
+# task name -> transformers Auto class. "auto" picks from config.architectures.
+TASKS: dict[str, str] = {
+    "causal-lm": "AutoModelForCausalLM",
+    "seq2seq-lm": "AutoModelForSeq2SeqLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "question-answering": "AutoModelForQuestionAnswering",
+    "base": "AutoModel",
+}
+_TASK_ALIASES = {"seq-cls": "sequence-classification", "classification": "sequence-classification",
+                 "clm": "causal-lm", "mlm": "masked-lm", "seq2seq": "seq2seq-lm",
+                 "token-cls": "token-classification", "qa": "question-answering"}
+_ATTN_FLAGS = {  # class attribute -> attn_implementation value (transformers 5 names)
+    "_supports_sdpa": "sdpa",
+    "_supports_flash_attn": "flash_attention_2",
+    "_supports_flex_attn": "flex_attention",
+}
+
+
+@dataclass
+class ModelProfile:
+    """Parameter counts and architecture facts of one model, gathered without allocating weights."""
+
+    name: str = field(metadata={"help": "name_or_path of the config, or the class name."})
+    architecture: str = field(metadata={"help": "Model class, e.g. 'LlamaForCausalLM'."})
+    model_type: str = field(metadata={"help": "config.model_type, e.g. 'llama'."})
+    task: str = field(metadata={"help": "Head the profile was built with (see TASKS)."})
+    total_params: int = field(metadata={"help": "All parameters (logical count, tied counted once)."})
+    trainable_params: int = field(metadata={"help": "Parameters with requires_grad."})
+    frozen_params: int = field(metadata={"help": "total_params - trainable_params."})
+    param_bytes: int = field(metadata={"help": "Bytes the parameters occupy as stored."})
+    params_by_dtype: dict[str, int] = field(metadata={"help": "Parameter count per storage dtype."})
+    buffer_bytes: int = field(metadata={"help": "Bytes of persistent and non-persistent buffers."})
+    num_layers: int | None = field(metadata={"help": "Transformer blocks (encoder+decoder for seq2seq)."})
+    hidden_size: int | None = field(metadata={"help": "Model width."})
+    num_attention_heads: int | None = field(metadata={"help": "Query heads."})
+    num_key_value_heads: int | None = field(metadata={"help": "KV heads (< heads means GQA/MQA)."})
+    head_dim: int | None = field(metadata={"help": "Per-head width."})
+    intermediate_size: int | None = field(metadata={"help": "MLP width."})
+    vocab_size: int | None = field(metadata={"help": "Vocabulary size."})
+    max_position_embeddings: int | None = field(metadata={"help": "Longest context the config allows."})
+    tie_word_embeddings: bool = field(metadata={"help": "Input and output embeddings share weights."})
+    is_encoder_decoder: bool = field(metadata={"help": "Seq2seq architecture."})
+    supports_gradient_checkpointing: bool = field(metadata={"help": "Trainer can checkpoint it."})
+    attn_implementations: tuple[str, ...] = field(
+        metadata={"help": "Attention kernels the model class supports ('eager' always)."}
+    )
+    attn_implementation: str | None = field(metadata={"help": "The one the model/config uses now."})
+    layer_classes: tuple[str, ...] = field(
+        metadata={"help": "Block classes (_no_split_modules): what FSDP wraps, what we trace."}
+    )
+    quantization: str | None = field(
+        default=None, metadata={"help": "'bnb-4bit' / 'bnb-8bit' for a quantized model, else None."}
+    )
+    is_peft: bool = field(default=False, metadata={"help": "A peft model (LoRA etc.)."})
+    config: PretrainedConfig | None = field(
+        default=None, repr=False, compare=False, metadata={"help": "The config profiled."}
+    )
+
+    @property
+    def is_gqa(self) -> bool:
+        return bool(self.num_key_value_heads and self.num_attention_heads
+                    and self.num_key_value_heads < self.num_attention_heads)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "config"}
+
+
+def normalize_task(task: str | None, config: PretrainedConfig | None = None) -> str:
+    """Validate ``task``; ``None``/``"auto"`` infers it from ``config.architectures``."""
+    if task in (None, "auto"):
+        return infer_task(config) if config is not None else "causal-lm"
+    key = _TASK_ALIASES.get(task, task)
+    if key not in TASKS:
+        raise HfMemkitError(
+            f"unknown task `{task}`; allowed: {', '.join(TASKS)} (or 'auto' to read it from "
+            "config.architectures)"
+        )
+    return key
+
+
+def infer_task(config: PretrainedConfig) -> str:
+    arch = (getattr(config, "architectures", None) or [""])[0]
+    if arch.endswith(("ForCausalLM", "LMHeadModel")):
+        return "causal-lm"
+    if arch.endswith("ForConditionalGeneration") and getattr(config, "is_encoder_decoder", False):
+        return "seq2seq-lm"
+    for suffix, task in (("ForMaskedLM", "masked-lm"),
+                         ("ForSequenceClassification", "sequence-classification"),
+                         ("ForTokenClassification", "token-classification"),
+                         ("ForQuestionAnswering", "question-answering")):
+        if arch.endswith(suffix):
+            return task
+    if getattr(config, "is_encoder_decoder", False):
+        return "seq2seq-lm"
+    return "causal-lm" if getattr(config, "is_decoder", False) or arch == "" else "base"
+
+
+def build_model(config: PretrainedConfig, task: str | None = None, *,
+                device: str | torch.device = "meta", **kwargs: Any) -> PreTrainedModel:
+    """Instantiate ``config`` with the head for ``task`` on ``device`` (meta: no memory)."""
+    task = normalize_task(task, config)
+    auto_cls = getattr(transformers, TASKS[task])
+    try:
+        with torch.device(device):
+            return auto_cls.from_config(config, **kwargs)
+    except ValueError as exc:
+        raise HfMemkitError(
+            f"transformers cannot build a `{config.model_type}` model for task `{task}` "
+            f"({exc}); choose another task from: {', '.join(TASKS)}"
+        ) from exc
+
+
+def _to_config(ref: Any) -> PretrainedConfig:
+    if isinstance(ref, PretrainedConfig):
+        return ref
+    if isinstance(ref, (str, os.PathLike)):
+        return resolve_config(ref)
+    raise HfMemkitError(
+        "profile_model takes a transformers model, a PretrainedConfig, a catalog name or a local "
+        f"directory; got {type(ref).__name__}"
+    )
+
+
+def unwrap_model(model: Any) -> tuple[torch.nn.Module, bool]:
+    """The underlying transformers model of a peft wrapper, and whether it was one."""
+    is_peft = hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+    base = model.get_base_model() if is_peft else model
+    return base, is_peft
+
+
+def logical_numel(p: torch.Tensor) -> int:
+    """Parameter count of a tensor; a packed bitsandbytes 4-bit weight counts its real shape."""
+    qs = getattr(p, "quant_state", None)
+    if qs is not None and getattr(qs, "shape", None) is not None:
+        return math.prod(qs.shape)
+    return p.numel()
+
+
+def profile_model(model_or_config_or_name: Any, *, task: str | None = None) -> ModelProfile:
+    """Parameter counts and architecture facts; never allocates weights.
+
+    ``task`` picks the head when a config or name is given (default: from
+    ``config.architectures``), e.g. ``"sequence-classification"`` for bert-large.
+    """
+    if isinstance(model_or_config_or_name, torch.nn.Module):
+        model = model_or_config_or_name
+        base, is_peft = unwrap_model(model)
+        config = getattr(base, "config", None)
+        if config is None:
+            raise HfMemkitError(
+                f"`{type(base).__name__}` has no `.config`; profile_model expects a transformers "
+                "PreTrainedModel (or a peft model around one)"
+            )
+        task = normalize_task(task, config) if task else _task_of(base)
+    else:
+        config = _to_config(model_or_config_or_name)
+        task = normalize_task(task, config)
+        model = base = build_model(config, task)
+        is_peft = False
+    return _profile(model, base, config, task, is_peft)
+
+
+def _task_of(model: torch.nn.Module) -> str:
+    name = type(model).__name__
+    return infer_task(type("C", (), {"architectures": [name],
+                                     "is_encoder_decoder": getattr(model.config, "is_encoder_decoder",
+                                                                   False)})())
+
+
+def _first(config: Any, names: tuple[str, ...], default: Any = None) -> Any:
+    for n in names:
+        v = getattr(config, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+def architecture_facts(config: PretrainedConfig) -> dict[str, Any]:
+    """Width, depth, heads... read under the names different families use."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = _first(text, ("hidden_size", "d_model", "n_embd", "dim"))
+    heads = _first(text, ("num_attention_heads", "num_heads", "n_head"))
+    kv = _first(text, ("num_key_value_heads", "num_kv_heads", "multi_query_group_num"), heads)
+    layers = _first(text, ("num_hidden_layers", "num_layers", "n_layer"))
+    if getattr(text, "is_encoder_decoder", False):
+        dec = _first(text, ("num_decoder_layers", "decoder_layers"), layers)
+        layers = (layers or 0) + (dec or 0)
+    head_dim = _first(text, ("head_dim", "d_kv"))
+    if head_dim is None and hidden and heads:
+        head_dim = hidden // heads
+    inter = _first(text, ("intermediate_size", "d_ff", "ffn_dim", "n_inner", "encoder_ffn_dim"))
+    if inter is None and hidden and getattr(text, "model_type", "") == "gpt2":
+        inter = 4 * hidden  # GPT-2: n_inner=None means 4 * n_embd
+    return {
+        "num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "head_dim": head_dim, "intermediate_size": inter,
+        "vocab_size": _first(text, ("vocab_size",)),
+        "max_position_embeddings": _first(text, ("max_position_embeddings", "n_positions")),
+        "tie_word_embeddings": bool(getattr(text, "tie_word_embeddings", False)),
+        "is_encoder_decoder": bool(getattr(text, "is_encoder_decoder", False)),
+    }
+
+
+def _profile(model: torch.nn.Module, base: torch.nn.Module, config: PretrainedConfig, task: str,
+             is_peft: bool) -> ModelProfile:
+    total = trainable = nbytes = 0
+    by_dtype: Counter[str] = Counter()
+    quant = None
+    for p in model.parameters():  # .parameters() yields tied weights once
+        n = logical_numel(p)
+        total += n
+        if p.requires_grad:
+            trainable += n
+        nbytes += p.numel() * p.element_size()
+        by_dtype[str(p.dtype).replace("torch.", "")] += p.numel()
+        cls = type(p).__name__
+        if cls == "Params4bit":
+            quant = "bnb-4bit"
+            qs = getattr(p, "quant_state", None)
+            absmax = getattr(qs, "absmax", None) if qs is not None else None
+            if isinstance(absmax, torch.Tensor):
+                nbytes += absmax.numel() * absmax.element_size()
+        elif cls == "Int8Params":
+            quant = quant or "bnb-8bit"
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    cls = type(base)
+    attn = ["eager"] + [impl for flag, impl in _ATTN_FLAGS.items() if getattr(cls, flag, False)]
+    return ModelProfile(
+        name=str(getattr(config, "name_or_path", "") or cls.__name__),
+        architecture=cls.__name__,
+        model_type=str(getattr(config, "model_type", "")),
+        task=task,
+        total_params=total,
+        trainable_params=trainable,
+        frozen_params=total - trainable,
+        param_bytes=nbytes,
+        params_by_dtype=dict(by_dtype),
+        buffer_bytes=buffers,
+        supports_gradient_checkpointing=bool(getattr(cls, "supports_gradient_checkpointing", False)),
+        attn_implementations=tuple(attn),
+        attn_implementation=getattr(config, "_attn_implementation", None),
+        layer_classes=tuple(getattr(base, "_no_split_modules", None) or ()),
+        quantization=quant,
+        is_peft=is_peft,
+        config=config,
+        **architecture_facts(config),
+    )

@@ -1,0 +1,76 @@
+"""Turning results into text for people (STYLE.md §4): rich tables, nothing computed here."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from ._device import DeviceInfo
+from ._profile import ModelProfile
+from ._units import format_bytes
+
+
+def device_table(dev: DeviceInfo, title: str = "Device") -> Table:
+    t = Table(title=title, show_header=False)
+    t.add_column("field", style="bold")
+    t.add_column("value")
+    cc = ".".join(map(str, dev.compute_capability)) if dev.compute_capability else "-"
+    rows = [
+        ("name", dev.name), ("kind", dev.kind), ("count", str(dev.count)),
+        ("total memory", format_bytes(dev.total_memory)),
+        ("free memory", format_bytes(dev.free_memory)),
+        ("compute capability", cc),
+        ("bf16 / tf32 / fp16 tensor cores",
+         " / ".join("yes" if x else "no" for x in (dev.supports_bf16, dev.supports_tf32,
+                                                   dev.supports_fp16_tensor_cores))),
+        ("MIG slice", "yes" if dev.mig else "no"),
+        ("source", dev.source + (f" (catalog: {dev.catalog_name})" if dev.catalog_name and
+                                 dev.source != "catalog" else "")),
+    ]
+    if dev.peak_tflops:
+        rows.append(("peak TFLOP/s fp32/tf32/fp16/bf16",
+                     " / ".join(f"{dev.peak_tflops.get(k, 0):g}" for k in ("fp32", "tf32", "fp16",
+                                                                           "bf16"))))
+    if dev.memory_bandwidth:
+        rows.append(("memory bandwidth", f"{dev.memory_bandwidth / 1e9:g} GB/s"))
+    if dev.interconnect:
+        rows.append(("interconnect", f"{dev.interconnect} {dev.interconnect_bandwidth / 1e9:g} GB/s"))
+    for k, v in rows:
+        t.add_row(k, v)
+    return t
+
+
+def catalog_table(devices: list[DeviceInfo]) -> Table:
+    t = Table(title="GPU catalog (hf-memkit devices)")
+    for col in ("name", "memory", "cc", "bf16", "bf16 TFLOP/s", "fp32 TFLOP/s", "HBM GB/s",
+                "interconnect"):
+        t.add_column(col, no_wrap=col == "name")
+    for d in devices:
+        t.add_row(d.name, format_bytes(d.total_memory), "{}.{}".format(*d.compute_capability),
+                  "yes" if d.supports_bf16 else "no", f"{d.peak_tflops['bf16'] or d.peak_tflops['fp16']:g}"
+                  + ("" if d.peak_tflops["bf16"] else " (fp16)"),
+                  f"{d.peak_tflops['fp32']:g}", f"{d.memory_bandwidth / 1e9:g}",
+                  f"{d.interconnect} {d.interconnect_bandwidth / 1e9:g} GB/s")
+    return t
+
+
+def profile_table(p: ModelProfile) -> Table:
+    t = Table(title=f"Model: {p.name}", show_header=False)
+    t.add_column("field", style="bold")
+    t.add_column("value")
+    rows = [
+        ("architecture", f"{p.architecture} ({p.model_type}, task {p.task})"),
+        ("parameters", f"{p.total_params:,} ({p.trainable_params:,} trainable)"),
+        ("weights", f"{format_bytes(p.param_bytes)} as " + ", ".join(
+            f"{k}: {v:,}" for k, v in p.params_by_dtype.items())),
+        ("layers / hidden / intermediate", f"{p.num_layers} / {p.hidden_size} / {p.intermediate_size}"),
+        ("heads / kv heads / head dim",
+         f"{p.num_attention_heads} / {p.num_key_value_heads} / {p.head_dim}"
+         + (" (GQA)" if p.is_gqa else "")),
+        ("vocab / max positions", f"{p.vocab_size} / {p.max_position_embeddings}"),
+        ("tied embeddings", "yes" if p.tie_word_embeddings else "no"),
+        ("gradient checkpointing", "supported" if p.supports_gradient_checkpointing else "not supported"),
+        ("attention", ", ".join(p.attn_implementations) + f" (now: {p.attn_implementation})"),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    return t

@@ -1,0 +1,66 @@
+"""CPU memory readings from /proc (Linux): the peak-RSS window DESIGN.md uses as ground truth.
+
+With ``MALLOC_MMAP_THRESHOLD_=65536`` set at process start, every large tensor is its own
+mapping, so resident-set growth tracks live tensor bytes. Writing ``5`` to
+``/proc/self/clear_refs`` resets ``VmHWM`` (the peak) to the current RSS.
+"""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def current_rss() -> int:
+    """Resident set size of this process, bytes."""
+    kib = _status_kib("VmRSS")
+    return kib * 1024 if kib is not None else psutil.Process().memory_info().rss
+
+
+def peak_rss() -> int | None:
+    """``VmHWM``: the highest RSS since start or since the last ``reset_peak_rss``; None off Linux."""
+    kib = _status_kib("VmHWM")
+    return kib * 1024 if kib is not None else None
+
+
+def reset_peak_rss() -> bool:
+    """Reset ``VmHWM`` to the current RSS. False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def mmap_threshold_set() -> bool:
+    """Whether this process runs with the small mmap threshold that makes RSS exact."""
+    return os.environ.get("MALLOC_MMAP_THRESHOLD_") is not None
+
+
+def set_mmap_threshold(threshold: int = 65536) -> bool:
+    """Ask glibc to mmap every allocation >= ``threshold`` bytes (so RSS tracks tensors exactly).
+
+    Only affects allocations made afterwards; the env var ``MALLOC_MMAP_THRESHOLD_`` does the same
+    from process start. Returns False off glibc.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_mmap_threshold = -3  # glibc malloc.h: M_MMAP_THRESHOLD
+        return bool(libc.mallopt(m_mmap_threshold, int(threshold)))
+    except (OSError, AttributeError):
+        return False

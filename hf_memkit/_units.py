@@ -1,0 +1,50 @@
+"""Bytes inside, binary units outside (STYLE.md §6)."""
+
+from __future__ import annotations
+
+import re
+
+from ._errors import HfMemkitError
+
+KiB = 1024
+MiB = 1024**2
+GiB = 1024**3
+TiB = 1024**4
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
+    # Decimal units are accepted as written (1 GB = 10**9 bytes), never confused with GiB.
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """``"20GiB"`` -> 21474836480; ints pass through; ``"16GB"`` is 16 * 10**9 bytes."""
+    if isinstance(value, bool):
+        raise HfMemkitError(f"memory size `{value}` is not a size; give bytes or e.g. '20GiB'")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise HfMemkitError(f"memory size {value} is negative; give a positive size")
+        return int(value)
+    m = _SIZE_RE.match(str(value))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise HfMemkitError(
+            f"cannot read memory size `{value}`; write a number with a unit: "
+            "B, KiB, MiB, GiB, TiB (binary) or KB, MB, GB, TB (decimal), e.g. '20GiB'"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: int | float | None, *, precision: int = 2) -> str:
+    """Binary units with the right spelling: 1.50 GiB, 12.00 MiB."""
+    if n is None:
+        return "unknown"
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= size:
+            return f"{sign}{n / size:.{precision}f} {unit}"
+    return f"{sign}{int(n)} B"

@@ -1,0 +1,1 @@
+"""The ``hf-memkit`` CLI: one module per command (``*_parser`` + ``*_command``), registered in main."""

@@ -1,0 +1,44 @@
+"""``hf-memkit`` root: registers each command module's parser.
+
+Exit codes: 0 success, 2 bad input (message on stderr), 1 a failed run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .._errors import HfMemkitError
+from . import demo, devices, probe
+
+COMMANDS = (devices, probe, demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-memkit",
+        description="Predict, plan and watch the memory of Hugging Face training runs.",
+        epilog="Examples:\n  hf-memkit devices\n  hf-memkit probe --json\n  hf-memkit demo",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in COMMANDS:
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except HfMemkitError as exc:
+        print(f"hf-memkit {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

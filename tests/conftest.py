@@ -1,0 +1,116 @@
+"""Shared fixtures: fakes of what this CPU machine cannot have (NVML, CUDA devices)."""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from hf_memkit._units import MiB
+
+
+@dataclass
+class FakeGpu:
+    name: str                      # as NVML reports it, e.g. "NVIDIA A100-SXM4-80GB"
+    total: int
+    free: int
+    cc: tuple[int, int]
+    mig: bool = False
+    mig_total: int | None = None   # what CUDA sees inside a MIG slice
+    mig_name: str | None = None
+
+
+class NVMLError(Exception):
+    pass
+
+
+def make_fake_pynvml(gpus: list[FakeGpu], *, init_raises: bool = False,
+                     query_raises: bool = False) -> types.ModuleType:
+    """A module with the nvidia-ml-py functions hf_memkit calls, backed by ``gpus``."""
+    m = types.ModuleType("pynvml")
+    m.NVMLError = NVMLError
+    m.NVML_DEVICE_MIG_ENABLE = 1
+    m.calls = []
+
+    def nvmlInit():
+        m.calls.append("init")
+        if init_raises:
+            raise NVMLError("NVML Shared Library Not Found")
+
+    def nvmlShutdown():
+        m.calls.append("shutdown")
+
+    def nvmlDeviceGetCount():
+        return len(gpus)
+
+    def nvmlDeviceGetHandleByIndex(i):
+        if query_raises:
+            raise NVMLError("Unknown Error")
+        return gpus[i]
+
+    def nvmlDeviceGetHandleByUUID(uuid):
+        return gpus[int(uuid.rsplit("-", 1)[-1])]
+
+    def nvmlDeviceGetName(h):
+        return h.name.encode()  # older nvidia-ml-py returns bytes
+
+    def nvmlDeviceGetMemoryInfo(h):
+        return types.SimpleNamespace(total=h.total, free=h.free, used=h.total - h.free)
+
+    def nvmlDeviceGetMigMode(h):
+        if not h.name.startswith("NVIDIA A100") and not h.name.startswith("NVIDIA H100"):
+            raise NVMLError("Not Supported")
+        return (1 if h.mig else 0, 1 if h.mig else 0)
+
+    def nvmlSystemGetDriverVersion():
+        return "550.54.15"
+
+    for f in (nvmlInit, nvmlShutdown, nvmlDeviceGetCount, nvmlDeviceGetHandleByIndex,
+              nvmlDeviceGetHandleByUUID, nvmlDeviceGetName, nvmlDeviceGetMemoryInfo,
+              nvmlDeviceGetMigMode, nvmlSystemGetDriverVersion):
+        setattr(m, f.__name__, f)
+    return m
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Install fake CUDA devices into ``torch.cuda`` (and optionally a fake NVML).
+
+    Usage: ``fake_cuda(gpus, nvml="ok" | "missing" | "init_raises" | "query_raises")``.
+    """
+
+    def install(gpus: list[FakeGpu], nvml: str = "ok"):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: len(gpus))
+
+        def props(i):
+            g = gpus[i]
+            total = g.mig_total if g.mig else g.total
+            name = g.mig_name if g.mig and g.mig_name else g.name
+            return types.SimpleNamespace(name=name, major=g.cc[0], minor=g.cc[1],
+                                         total_memory=total)
+
+        def mem_get_info(i=0):
+            g = gpus[i]
+            total = g.mig_total if g.mig else g.total
+            return (min(g.free, total), total)
+
+        monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+        if nvml == "missing":
+            monkeypatch.setitem(sys.modules, "pynvml", None)  # import raises ImportError
+            return None
+        fake = make_fake_pynvml(gpus, init_raises=nvml == "init_raises",
+                                query_raises=nvml == "query_raises")
+        monkeypatch.setitem(sys.modules, "pynvml", fake)
+        return fake
+
+    return install
+
+
+A100_80 = FakeGpu("NVIDIA A100-SXM4-80GB", 81920 * MiB, 80000 * MiB, (8, 0))
+V100_16 = FakeGpu("Tesla V100-SXM2-16GB", 16160 * MiB, 15000 * MiB, (7, 0))
+T4 = FakeGpu("Tesla T4", 15360 * MiB, 15000 * MiB, (7, 5))
