@@ -74,3 +74,40 @@ def profile_table(p: ModelProfile) -> Table:
     for k, v in rows:
         t.add_row(k, v)
     return t
+
+
+def render_to_text(*renderables, width: int = 100) -> str:
+    from rich.console import Console
+
+    console = Console(width=width, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+    for r in renderables:
+        console.print(r)
+    return console.export_text()
+
+
+def estimate_table(est) -> Table:
+    s = est.setup
+    amp = s.amp or "fp32"
+    title = (f"{est.stage} step on {est.device.name}: micro-batch "
+             f"{s.micro_batch if est.stage == 'train' else s.eval_batch} x seq {est.seq_len}, "
+             f"accumulation {s.grad_accum}, {amp}, optim {s.optim}"
+             + (", checkpointing" if s.checkpointing else ""))
+    t = Table(title=title)
+    t.add_column("memory", style="bold")
+    t.add_column("bytes", justify="right")
+    t.add_column("share", justify="right")
+    total = max(est.device_used, 1)
+    for key in ("weights", "gradients", "optimizer", "activations", "temporaries"):
+        v = est.breakdown.get(key, 0)
+        t.add_row(key, format_bytes(v), f"{100 * v / total:.1f}%")
+    t.add_row("= peak allocated", format_bytes(est.peak_allocated), "", style="cyan")
+    t.add_row("fragmentation", format_bytes(est.breakdown.get("fragmentation", 0)), "")
+    t.add_row("= peak reserved", format_bytes(est.peak_reserved), "", style="cyan")
+    t.add_row("context", format_bytes(est.breakdown.get("context", 0)), "")
+    if est.breakdown.get("optimizer_paged"):
+        t.add_row("paged optimizer", format_bytes(est.breakdown["optimizer_paged"]), "")
+    lo, hi = est.band
+    t.add_row("= device used", format_bytes(est.device_used),
+              f"{format_bytes(lo)} .. {format_bytes(hi)}", style="bold green")
+    t.caption = f"peak in: {est.peak_phase}" + "".join(f"\nnote: {n}" for n in est.notes)
+    return t

@@ -1,0 +1,412 @@
+"""Predict a training (or eval) step's peak memory: ``estimate_memory`` -> ``MemoryEstimate``.
+
+Model states (weights, gradients, optimizer state) are computed analytically from the parameter
+list, so optimizers whose kernels cannot run on fake tensors (bitsandbytes) are still exact.
+Activations and temporaries come from tracing the real model code on fake tensors (``_trace``);
+models with more than ``FULL_TRACE_MAX_LAYERS`` blocks are traced at 2 and 3 blocks and
+extrapolated linearly in the block count, so a 70B plan takes about a second. CUDA adds allocator
+rounding and segments, the context and cuBLAS workspaces (``_cuda``).
+
+The peak of a Trainer optimizer step (steady state, step >= 2):
+
+    forward / backward, micro-step 1:  W + inputs + O + X          (X: activations, temporaries
+    forward / backward, micro-step 2+: W + inputs + O + G + X'      and gradients being created)
+    optimizer.step():                  W + inputs + G + O + T_opt
+    (W weights, G gradients, O optimizer state, T_opt the optimizer's transient buffers)
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from ._cuda import CALIBRATION, cublas_workspace
+from ._device import DeviceInfo, resolve_device
+from ._errors import HfMemkitError
+from ._optimizers import OptimizerContext, ParamInfo, get_optimizer_profile
+from ._profile import build_model, logical_numel, normalize_task, unwrap_model
+from ._setup import Sharding, TrainingSetup, normalize_args
+from ._trace import LoraSpec, layer_count, quantizable_linears, trace_step, with_layers
+from ._units import format_bytes
+
+FULL_TRACE_MAX_LAYERS = 4
+EXTRAPOLATE_AT = (2, 3)
+BREAKDOWN_SUM_KEYS = ("weights", "gradients", "optimizer", "activations", "temporaries")
+# CPU estimates: relative 1-sigma of bench/estimator_cpu.py residuals (0.4% median there).
+CPU_REL_SIGMA = 0.01
+# bitsandbytes NF4 (bitsandbytes/functional.py quantize_4bit): 2 weights per byte, one fp32
+# absmax per 64-weight block; double quantization stores absmax as uint8 plus one fp32 per 256.
+NF4_BLOCK = 64
+
+
+@dataclass
+class MemoryEstimate:
+    """Predicted memory of one step. Bytes throughout; ``explain()`` renders it."""
+
+    peak_allocated: int = field(metadata={"help": "Max live tensor bytes (max_memory_allocated)."})
+    peak_reserved: int = field(metadata={"help": "Caching-allocator reserved at peak (CPU: = allocated)."})
+    device_used: int = field(metadata={"help": "What NVML shows: reserved + context + workspaces."})
+    breakdown: dict[str, int] = field(metadata={
+        "help": "weights, gradients, optimizer, activations, temporaries (sum to peak_allocated); "
+                "fragmentation, context; optimizer_paged when a paged optimizer keeps state in "
+                "CUDA managed memory"})
+    peak_phase: str = field(metadata={"help": "'forward', 'backward', 'forward (accumulating)', "
+                                              "'backward (accumulating)', 'optimizer step' or "
+                                              "'eval forward'."})
+    stage: str = field(metadata={"help": "'train' or 'eval'."})
+    device: DeviceInfo = field(repr=False, metadata={"help": "Device estimated for."})
+    setup: TrainingSetup = field(repr=False, metadata={"help": "Normalised training arguments."})
+    seq_len: int = field(default=0, metadata={"help": "Sequence length (the longest in a batch)."})
+    uncertainty: float = field(default=0.0, metadata={"help": "Relative 1-sigma of device_used."})
+    notes: list[str] = field(default_factory=list, metadata={"help": "What was assumed or noted."})
+    trace_seconds: float = field(default=0.0, repr=False)
+    traced_layers: tuple[int, ...] = field(default=(), repr=False)
+
+    @property
+    def band(self) -> tuple[int, int]:
+        """device_used +- 2 sigma (about a 95% band from the calibration residuals)."""
+        d = 2 * self.uncertainty * self.device_used
+        return int(self.device_used - d), int(self.device_used + d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "peak_allocated": self.peak_allocated, "peak_reserved": self.peak_reserved,
+            "device_used": self.device_used, "breakdown": dict(self.breakdown),
+            "peak_phase": self.peak_phase, "stage": self.stage, "seq_len": self.seq_len,
+            "uncertainty": self.uncertainty, "notes": list(self.notes),
+            "device": self.device.to_dict(), "setup": dataclasses.asdict(self.setup),
+        }
+
+    def explain(self) -> str:
+        from ._render import estimate_table, render_to_text
+
+        return render_to_text(estimate_table(self))
+
+    def __str__(self) -> str:
+        return (f"MemoryEstimate({self.stage} on {self.device.name}: device_used "
+                f"{format_bytes(self.device_used)}, peak_allocated {format_bytes(self.peak_allocated)}"
+                f", peak in {self.peak_phase})")
+
+
+# ----------------------------------------------------------------------------------------------
+# the model as the estimator needs it
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _ModelSpec:
+    config: PretrainedConfig
+    model_cls: type
+    task: str
+    dtype: torch.dtype                       # floating dtype of the (non-quantized) weights
+    attn_implementation: str | None
+    lora: LoraSpec | None
+    quant_bits: int | None                   # 4 / 8 for a bitsandbytes base, else None
+    double_quant: bool
+    meta: torch.nn.Module                    # full model (with adapters) on the meta device
+    supports_checkpointing: bool
+
+
+def _quant_from(qc: Any) -> tuple[int | None, bool, torch.dtype | None]:
+    if qc is None:
+        return None, False, None
+    get = qc.get if isinstance(qc, dict) else (lambda k, d=None: getattr(qc, k, d))
+    if get("load_in_4bit", False):
+        cd = get("bnb_4bit_compute_dtype", None)
+        if isinstance(cd, str):
+            cd = getattr(torch, cd.replace("torch.", ""))
+        return 4, bool(get("bnb_4bit_use_double_quant", False)), cd
+    if get("load_in_8bit", False):
+        return 8, False, None
+    raise HfMemkitError(
+        "quantization_config must be a bitsandbytes config with load_in_4bit or load_in_8bit; "
+        f"got {qc!r}")
+
+
+def _resolve_model(model: Any, *, task: str | None, dtype: torch.dtype | str | None,
+                   attn_implementation: str | None, peft_config: Any,
+                   quantization_config: Any) -> _ModelSpec:
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.replace("torch.", ""), None) if dtype != "auto" else None
+    quant_bits, double_quant, compute_dtype = _quant_from(quantization_config)
+    lora_cfg = peft_config
+    if isinstance(model, torch.nn.Module):
+        base, is_peft = unwrap_model(model)
+        config = base.config
+        task = normalize_task(task, config) if task else _task_for_class(type(base), config)
+        floats = [p.dtype for p in base.parameters() if p.is_floating_point()
+                  and type(p).__name__ not in ("Params4bit", "Int8Params")]
+        dtype = dtype or (max(set(floats), key=floats.count) if floats else torch.float32)
+        attn_implementation = attn_implementation or getattr(config, "_attn_implementation", None)
+        if is_peft and lora_cfg is None:
+            lora_cfg = next(iter(model.peft_config.values()))
+        if quant_bits is None:
+            kinds = {type(p).__name__ for p in base.parameters()}
+            quant_bits = 4 if "Params4bit" in kinds else 8 if "Int8Params" in kinds else None
+            qc = getattr(config, "quantization_config", None)
+            if quant_bits and qc is not None:
+                double_quant = bool(_quant_from(qc)[1]) if quant_bits == 4 else False
+        model_cls = type(base)
+    elif isinstance(model, (PretrainedConfig, str)) or hasattr(model, "__fspath__"):
+        from ._profile import _to_config
+
+        config = _to_config(model)
+        task = normalize_task(task, config)
+        model_cls = type(build_model(config, task))
+        # A quantized base goes through peft's prepare_model_for_kbit_training (the standard
+        # QLoRA recipe, and what Plan.prepare does): every non-quantized bf16/fp16 parameter
+        # (embeddings, head, norms) is upcast to fp32, and adapters are fp32.
+        dtype = dtype or torch.float32
+    else:
+        raise HfMemkitError(
+            "estimate_memory takes a transformers model (any device, meta included), a "
+            f"PretrainedConfig, a catalog name or a local directory; got {type(model).__name__}")
+    if quant_bits and lora_cfg is None:
+        raise HfMemkitError(
+            f"a {quant_bits}-bit base cannot be trained directly; give `peft_config` "
+            "(a peft.LoraConfig) for QLoRA, or drop quantization_config")
+    meta = _meta_model(model_cls, config, dtype, attn_implementation, lora_cfg)
+    lora = LoraSpec(lora_cfg, quantized_4bit=quant_bits == 4,
+                    compute_dtype=compute_dtype or torch.bfloat16) if lora_cfg is not None else None
+    return _ModelSpec(config, model_cls, task, dtype, attn_implementation, lora, quant_bits,
+                      double_quant, meta, bool(getattr(model_cls, "supports_gradient_checkpointing",
+                                                       False)))
+
+
+def _task_for_class(cls: type, config: PretrainedConfig) -> str:
+    from ._profile import infer_task
+
+    return infer_task(type("C", (), {"architectures": [cls.__name__],
+                                     "is_encoder_decoder": getattr(config, "is_encoder_decoder",
+                                                                   False)})())
+
+
+def _meta_model(model_cls: type, config: PretrainedConfig, dtype: torch.dtype,
+                attn: str | None, lora_cfg: Any) -> torch.nn.Module:
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if attn:
+        kwargs["attn_implementation"] = attn
+    with torch.device("meta"):
+        m = model_cls._from_config(copy.deepcopy(config), **kwargs)
+        if lora_cfg is not None:
+            import peft
+
+            m = peft.get_peft_model(m, copy.deepcopy(lora_cfg))
+    return m
+
+
+def _model_states(spec: _ModelSpec) -> tuple[int, list[ParamInfo]]:
+    """(weight bytes incl. buffers and quantization constants, trainable params)."""
+    weights = 0
+    quantized: set[int] = set()
+    if spec.quant_bits:
+        base = spec.meta.get_base_model() if hasattr(spec.meta, "get_base_model") else spec.meta
+        for _name, mod in quantizable_linears(base):
+            quantized.add(id(mod.weight))
+            n = mod.weight.numel()
+            if spec.quant_bits == 4:
+                blocks = -(-n // NF4_BLOCK)
+                absmax = (blocks + 4 * -(-blocks // 256)) if spec.double_quant else 4 * blocks
+                weights += -(-n // 2) + absmax
+            else:  # LLM.int8: int8 weight + fp32 row scale
+                weights += n + 4 * mod.weight.shape[0]
+    embeddings = {id(m.weight) for m in spec.meta.modules() if isinstance(m, torch.nn.Embedding)}
+    trainable: list[ParamInfo] = []
+    for p in spec.meta.parameters():
+        if id(p) in quantized:
+            continue
+        weights += logical_numel(p) * p.element_size()
+        if p.requires_grad:
+            trainable.append(ParamInfo(p.numel(), tuple(p.shape), p.element_size(),
+                                       embedding=id(p) in embeddings))
+    weights += sum(b.numel() * b.element_size() for b in spec.meta.buffers())
+    return weights, trainable
+
+
+# ----------------------------------------------------------------------------------------------
+# activations: trace, extrapolate
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Excess:
+    """What each phase of a step adds on top of weights + inputs (+ gradients when
+    accumulating), from the trace, extrapolated to full depth."""
+
+    phases: dict[str, int]                 # forward, backward, [forward_accum, backward_accum]
+    categories: dict[str, dict[str, int]]  # per phase: Activation, Temp, Gradient at its peak
+    inputs: int
+    seconds: float
+    layers: tuple[int, ...]
+
+
+def _trace_excess(spec: _ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: str,
+                  target_len: int | None, padded: bool) -> _Excess:
+    full = layer_count(spec.config)
+    batch = setup.micro_batch if stage == "train" else setup.eval_batch
+    kw = dict(task=spec.task, micro_batch=batch, seq_len=seq_len, grad_accum=setup.grad_accum,
+              amp=setup.amp, dtype=spec.dtype, attn_implementation=spec.attn_implementation,
+              checkpointing=setup.checkpointing and stage == "train",
+              checkpoint_reentrant=setup.checkpoint_reentrant, lora=spec.lora, stage=stage,
+              target_len=target_len, padded=padded)
+
+    def excess(n: int):
+        cfg = spec.config if n == full else with_layers(spec.config, n)
+        r = trace_step(spec.model_cls, cfg, **kw)
+        out = {}
+        for name, total in r.phases.items():
+            held = r.weights + r.inputs + (r.grads if name.endswith("_accum") else 0)
+            out[name] = total - held
+        cats = {name: {k: c.get(k, 0) for k in ("Activation", "Temp", "Gradient")}
+                for name, c in r.categories.items()}
+        return out, cats, r.inputs, r.seconds
+
+    if full <= FULL_TRACE_MAX_LAYERS or setup.checkpoint_every_n_layers > 1:
+        ph, cats, inp, secs = excess(full)
+        return _Excess(ph, cats, inp, secs, (full,))
+    k1, k2 = EXTRAPOLATE_AT
+    ph1, c1, inp, s1 = excess(k1)
+    ph2, c2, _, s2 = excess(k2)
+    scale = (full - k1) / (k2 - k1)
+
+    def lin(x1: float, x2: float) -> int:
+        return int(round(x1 + (x2 - x1) * scale))
+
+    phases = {k: lin(ph1[k], ph2[k]) for k in ph1}
+    cats = {k: {c: max(0, lin(c1[k][c], c2[k][c])) for c in c1[k]} for k in c1}
+    return _Excess(phases, cats, inp, s1 + s2, (k1, k2))
+
+
+# ----------------------------------------------------------------------------------------------
+# estimate_memory
+# ----------------------------------------------------------------------------------------------
+
+
+def estimate_memory(model: Any, args: Any = None, *, seq_len: int, device: Any = None,
+                    stage: str = "train", task: str | None = None, target_len: int | None = None,
+                    dtype: torch.dtype | str | None = None, attn_implementation: str | None = None,
+                    peft_config: Any = None, quantization_config: Any = None,
+                    padded: bool = False, sharding: Sharding | None = None) -> MemoryEstimate:
+    """Predict the peak memory of one training (``stage="train"``) or eval step.
+
+    ``model``: a model on any device (meta included; a peft model is LoRA), a
+    ``PretrainedConfig``, a catalog name or a local directory. ``args``: ``TrainingArguments`` or a
+    dict of its fields. ``seq_len``: the longest sequence of a batch (a padded batch peaks there).
+    ``task`` picks the head for a config; ``target_len`` is the label length of seq2seq (default
+    ``seq_len``). ``dtype``: the dtype weights are loaded in (``torch.bfloat16`` = "pure" bf16
+    training; default: the model's, fp32 for a config). ``peft_config`` / ``quantization_config``:
+    LoRA / QLoRA as ``Plan.model_kwargs`` would load it. ``padded``: batches carry a real attention
+    mask (dynamic padding). ``device``: DeviceInfo, catalog name, ``"cpu"``, or None (this machine).
+    """
+    problems = []
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
+        problems.append(f"seq_len must be a positive integer, got {seq_len!r}")
+    if stage not in ("train", "eval"):
+        problems.append(f"stage must be 'train' or 'eval', got {stage!r}")
+    if target_len is not None and (not isinstance(target_len, int) or target_len <= 0):
+        problems.append(f"target_len must be a positive integer, got {target_len!r}")
+    if problems:
+        from ._errors import ConfigError
+
+        raise ConfigError(problems, source="estimate_memory")
+    setup = normalize_args(args, source="args")
+    if sharding is not None:
+        setup = setup.replace(sharding=sharding)
+    dev = resolve_device(device)
+    spec = _resolve_model(model, task=task, dtype=dtype, attn_implementation=attn_implementation,
+                          peft_config=peft_config, quantization_config=quantization_config)
+    notes: list[str] = []
+    if setup.checkpointing and not spec.supports_checkpointing:
+        raise HfMemkitError(
+            f"{spec.model_cls.__name__} does not support gradient checkpointing; set "
+            "activation_checkpointing=False (and use a smaller micro-batch or another memory "
+            "saver instead)")
+    max_pos = getattr(spec.config.get_text_config(), "max_position_embeddings", None)
+    if max_pos and seq_len > max_pos and getattr(spec.config, "model_type", "") in (
+            "bert", "roberta", "xlm-roberta", "gpt2", "opt"):
+        raise HfMemkitError(f"seq_len {seq_len} exceeds this model's learned positions "
+                            f"({max_pos}); use seq_len <= {max_pos}")
+    if setup.amp == "bf16" and dev.kind == "cuda" and not dev.supports_bf16:
+        notes.append(f"{dev.name} has no bf16 tensor cores (compute capability "
+                     f"{dev.compute_capability}); bf16 runs emulated and slow")
+    if setup.tf32:
+        notes.append("tf32 changes matmul precision only; no memory effect")
+    notes.extend(f"not modelled: {u}" for u in setup.unmodelled)
+
+    weights, trainable = _model_states(spec)
+    sh = setup.sharding
+    W = 0 if sh.offload_params else weights // sh.params
+    G = sum(p.nbytes for p in trainable) // sh.grads
+    opt_profile = get_optimizer_profile(setup.optim)
+    om = opt_profile.estimate(trainable, OptimizerContext(device_kind=dev.kind,
+                                                          optim_args=setup.optim_args))
+    O = 0 if sh.offload_optimizer else om.state // sh.optimizer  # noqa: E741 (docstring name)
+    T_opt = 0 if sh.offload_optimizer else om.transient
+    if om.paged:
+        notes.append(f"{format_bytes(om.paged)} of paged optimizer state lives in CUDA managed "
+                     "memory (outside max_memory_allocated; NVML counts it while resident)")
+
+    ex = _trace_excess(spec, setup, seq_len=seq_len, stage=stage, target_len=target_len,
+                       padded=padded)
+    # QLoRA's dequantisation temporaries are traced (_trace.SimLinear4bit); an 8-bit base is
+    # traced as frozen linears of the load dtype.
+    inputs = ex.inputs
+    xp = ex.phases
+    # one value per phase of the step: what is alive at that phase's peak
+    if stage == "train":
+        phases = {"forward": W + inputs + O + xp["forward"],
+                  "backward": W + inputs + O + xp["backward"],
+                  "optimizer step": W + inputs + G + O + T_opt}
+        if "forward_accum" in xp:
+            phases["forward (accumulating)"] = W + inputs + O + G + xp["forward_accum"]
+            phases["backward (accumulating)"] = W + inputs + O + G + xp["backward_accum"]
+    else:
+        phases = {"eval forward": W + inputs + O + xp["eval"]}
+    phase = max(phases, key=lambda k: phases[k])
+    peak = phases[phase]
+
+    trace_key = {"forward": "forward", "backward": "backward", "eval forward": "eval",
+                 "forward (accumulating)": "forward_accum",
+                 "backward (accumulating)": "backward_accum"}.get(phase)
+    cats = ex.categories.get(trace_key, {}) if trace_key else {}
+    grads_now = G if phase in ("optimizer step", "forward (accumulating)",
+                               "backward (accumulating)") else cats.get("Gradient", 0)
+    parts = {"weights": W, "gradients": grads_now, "optimizer": O,
+             "activations": cats.get("Activation", 0)}
+    parts["temporaries"] = peak - sum(parts.values())
+    if parts["temporaries"] < 0:  # extrapolated categories can overshoot by a few bytes
+        parts["activations"] += parts["temporaries"]
+        parts["temporaries"] = 0
+
+    if dev.kind == "cuda":
+        cal = CALIBRATION
+        workspace = cublas_workspace(dev.compute_capability)
+        peak_allocated = peak + workspace
+        parts["temporaries"] += workspace
+        frag = int(cal.frag_ratio * peak_allocated + cal.frag_const)
+        peak_reserved = peak_allocated + frag
+        context = cal.context
+        device_used = peak_reserved + context + om.paged
+        rel = cal.rel_sigma
+        notes.append("CUDA: cuBLAS workspaces, allocator fragmentation and context from the "
+                     "anchor calibration (bench/estimator_gpu_anchors.py)")
+    else:
+        peak_allocated = peak_reserved = device_used = peak
+        frag = context = 0
+        rel = CPU_REL_SIGMA
+    breakdown = dict(parts)
+    breakdown["fragmentation"] = frag
+    breakdown["context"] = context
+    if om.paged:
+        breakdown["optimizer_paged"] = om.paged
+    return MemoryEstimate(
+        peak_allocated=int(peak_allocated), peak_reserved=int(peak_reserved),
+        device_used=int(device_used), breakdown={k: int(v) for k, v in breakdown.items()},
+        peak_phase=phase, stage=stage, device=dev, setup=setup, seq_len=seq_len,
+        uncertainty=rel, notes=notes, trace_seconds=ex.seconds, traced_layers=ex.layers,
+    )

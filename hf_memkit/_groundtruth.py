@@ -1,0 +1,197 @@
+"""An independent CPU measurement of a real Trainer run's peak tensor memory (DESIGN.md).
+
+Never used by the estimator; used to check it (tests, ``bench/estimator_cpu.py``) and by the
+planner benchmark. Method:
+  * the run happens in a child process started with ``MALLOC_MMAP_THRESHOLD_=65536``, so every
+    tensor of 64 KiB or more is its own mapping and RSS tracks live tensor bytes;
+  * a callback opens a window at each ``on_step_begin``: it adds up the distinct CPU tensor
+    storages alive (weights, optimizer state from step 2, prefetched batches), reads ``VmRSS`` and
+    resets ``VmHWM`` through ``/proc/self/clear_refs``; at ``on_step_end`` (after the optimizer
+    step) the step's peak is ``VmHWM - VmRSS_open + alive_open``;
+  * the result is the largest peak of steps 2.. (steady state: the optimizer state exists and
+    every phase of the step runs inside the window). Step 1 is reported but not used: its RSS
+    also holds one-time non-tensor allocations (thread pools, kernel caches; ~10 MiB measured,
+    which torch's MemTracker on the same run does not see).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+_MARK = "@@HF_MEMKIT_RESULT "
+
+
+def measure_trainer_peak(spec: dict[str, Any], *, timeout: float = 900.0) -> dict[str, Any]:
+    """Run a real ``transformers.Trainer`` in a child process; return its measured peak.
+
+    ``spec``: ``config`` (``PretrainedConfig.to_dict()``), ``task``, ``args`` (TrainingArguments
+    fields), ``seq_len``, optional ``steps`` (3), ``dtype`` ("float32"), ``attn_implementation``,
+    ``lora`` (LoraConfig kwargs), ``quantization`` (BitsAndBytesConfig kwargs), ``target_len``.
+    Returns ``{"peak": bytes, "steps": [...], "param_bytes": ...}``.
+    """
+    env = dict(os.environ)
+    env.update(MALLOC_MMAP_THRESHOLD_="65536", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
+               TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+    env.setdefault("OMP_NUM_THREADS", "2")
+    proc = subprocess.run([sys.executable, "-m", "hf_memkit._groundtruth", json.dumps(spec)],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_MARK)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"measurement child failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len(_MARK):])
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _alive_cpu_tensor_bytes() -> int:
+    """Bytes of the distinct CPU tensor storages reachable from Python."""
+    import torch
+
+    gc.collect()
+    seen: dict[int, int] = {}
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor):
+            try:
+                if o.device.type != "cpu" or o.is_meta:
+                    continue
+                st = o.untyped_storage()
+                ptr = st.data_ptr()
+                if ptr and ptr not in seen:
+                    seen[ptr] = st.nbytes()
+            except Exception:  # sparse, fake or other exotic tensors
+                continue
+    return sum(seen.values())
+
+
+def build_model(spec: dict[str, Any], workdir: str):
+    """The model of a spec, built for real (random init), LoRA/QLoRA applied as users do."""
+    import torch
+    import transformers
+
+    from ._profile import TASKS
+
+    cfg_dict = dict(spec["config"])
+    config = transformers.AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+    auto = getattr(transformers, TASKS[spec.get("task", "causal-lm")])
+    dtype = getattr(torch, spec.get("dtype", "float32"))
+    attn = spec.get("attn_implementation")
+    kw = {"attn_implementation": attn} if attn else {}
+    torch.manual_seed(0)
+    if spec.get("quantization"):
+        # from_config rejects quantization_config: save, then load quantized (DESIGN.md)
+        auto.from_config(config, dtype=dtype, **kw).save_pretrained(workdir)
+        q = dict(spec["quantization"])
+        if "bnb_4bit_compute_dtype" in q:
+            q["bnb_4bit_compute_dtype"] = getattr(torch, q["bnb_4bit_compute_dtype"])
+        model = auto.from_pretrained(workdir, dtype=dtype,
+                                     quantization_config=transformers.BitsAndBytesConfig(**q), **kw)
+    else:
+        model = auto.from_config(config, dtype=dtype, **kw)
+    if spec.get("lora"):
+        import peft
+
+        if spec.get("quantization"):
+            model = peft.prepare_model_for_kbit_training(
+                model, use_gradient_checkpointing=bool(spec["args"].get("gradient_checkpointing")
+                                                       or spec["args"].get(
+                                                           "activation_checkpointing")))
+        model = peft.get_peft_model(model, peft.LoraConfig(**spec["lora"]))
+    return model
+
+
+def _synthetic(spec: dict[str, Any], config: Any, n: int) -> list[dict[str, Any]]:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    task, s = spec.get("task", "causal-lm"), spec["seq_len"]
+    vocab = config.get_text_config().vocab_size
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (s,), generator=g)
+        ex = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if task in ("causal-lm", "masked-lm", "token-classification"):
+            ex["labels"] = ids.clone()
+        elif task == "seq2seq-lm":
+            ex["labels"] = torch.randint(0, vocab, (spec.get("target_len") or s,), generator=g)
+        elif task == "sequence-classification":
+            ex["labels"] = torch.tensor(0)
+        out.append(ex)
+    return out
+
+
+def _child(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":
+        raise RuntimeError("MALLOC_MMAP_THRESHOLD_=65536 must be set when the process starts")
+    with tempfile.TemporaryDirectory() as workdir:
+        model = build_model(spec, workdir)
+        steps = max(2, int(spec.get("steps", 3)))
+        a = dict(spec["args"])
+        n = a.get("per_device_train_batch_size", 8) * a.get("gradient_accumulation_steps", 1) * (
+            steps + 1)
+        data = _synthetic(spec, model.config, n)
+        a.update(output_dir=os.path.join(workdir, "out"), max_steps=steps, use_cpu=True,
+                 report_to=[], save_strategy="no", logging_strategy="no", eval_strategy="no",
+                 dataloader_num_workers=0, dataloader_pin_memory=False, disable_tqdm=True,
+                 learning_rate=a.get("learning_rate", 1e-4))
+        args = transformers.TrainingArguments(**a)
+        records: list[dict[str, int]] = []
+
+        with_mt = bool(spec.get("memtracker"))  # cross-check: torch's MemTracker on real tensors
+
+        class Window(transformers.TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                alive = _alive_cpu_tensor_bytes()
+                if with_mt:
+                    from ._trace import _new_tracker
+
+                    self.mt = _new_tracker(kw["model"], [])
+                    self.mt.track_external(kw["optimizer"])
+                    self.mt.__enter__()
+                self.open = {"alive": alive, "rss": _status_bytes("VmRSS")}
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+
+            def on_step_end(self, args, state, control, **kw):
+                hwm = _status_bytes("VmHWM")
+                rec = {"step": state.global_step, "alive_open": self.open["alive"],
+                       "peak": hwm - self.open["rss"] + self.open["alive"]}
+                if with_mt:
+                    self.mt.__exit__(None, None, None)
+                    snap = self.mt.get_tracker_snapshot("peak")[torch.device("cpu")]
+                    rec["memtracker"] = {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
+                records.append(rec)
+
+            def on_substep_end(self, args, state, control, **kw):
+                if with_mt:  # MemTracker refuses a second forward of the same modules without it
+                    self.mt.reset_mod_stats()
+
+        def collate(xs):
+            return {k: torch.stack([x[k] for x in xs]) for k in xs[0]}
+
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                       data_collator=collate, callbacks=[Window()])
+        trainer.train()
+        steady = [r["peak"] for r in records if r["step"] >= 2] or [r["peak"] for r in records]
+        return {"peak": max(steady), "steps": records,
+                "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+                "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__}
+
+
+if __name__ == "__main__":
+    result = _child(json.loads(sys.argv[1]))
+    print(_MARK + json.dumps(result), flush=True)

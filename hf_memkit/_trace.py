@@ -1,0 +1,373 @@
+"""Trace one training (or eval) step of the real model code on fake tensors.
+
+This is the only module that touches private torch APIs (STYLE.md §11):
+``torch._subclasses.fake_tensor.FakeTensorMode`` and
+``torch.distributed._tools.mem_tracker.MemTracker``. If they are missing or change, the error says
+that activation estimates are lost and which torch to use.
+
+Recipe (checked on torch 2.13 CPU, transformers 5.23):
+  * the model is built *inside* FakeTensorMode (``_from_config`` on fake tensors: init runs on
+    metadata only, tied weights stay tied);
+  * mixed precision wraps ``forward`` the way ``Accelerator.prepare_model`` does: autocast, then
+    ``convert_outputs_to_fp32``;
+  * an all-ones attention mask is dropped: the real run skips a mask after a data-dependent
+    ``mask.all()`` check that fake tensors cannot decide, so keeping it would trace a 4-D mask the
+    real run never builds. Padded batches keep their mask;
+  * transformers treats fake tensors as "tracing" and refuses its data-dependent mask shortcuts:
+    ``masking_utils.find_packed_sequence_indices`` (reached when there is no attention mask and
+    no cache, e.g. under checkpointing) cannot prove a batch unpacked and a (B,1,T,T) mask gets
+    built. The real run decides "not packed" for ordinary batches, so the trace patches it;
+  * MemTracker runs inside the fake mode; a fresh tracker per micro-step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from dataclasses import dataclass, field
+from types import MethodType
+from typing import Any
+
+import torch
+
+from ._errors import HfMemkitError
+
+try:  # private torch APIs, fenced here and nowhere else
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+except Exception as _exc:  # pragma: no cover - depends on the torch build
+    FakeTensorMode = MemTracker = None  # type: ignore[assignment]
+    _IMPORT_ERROR: Exception | None = _exc
+else:
+    _IMPORT_ERROR = None
+
+CPU = torch.device("cpu")
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "decoder_layers",
+               "encoder_layers")
+
+
+def require_tracing() -> None:
+    if _IMPORT_ERROR is not None:
+        raise HfMemkitError(
+            "activation tracing needs torch's FakeTensorMode and "
+            "torch.distributed._tools.mem_tracker.MemTracker (torch >= 2.5); this torch "
+            f"({torch.__version__}) lacks them ({_IMPORT_ERROR}), so activations and temporaries "
+            "cannot be estimated. Install torch >= 2.5"
+        )
+
+
+@dataclass
+class LoraSpec:
+    """The LoRA adapter to trace (from a peft LoraConfig or a peft model)."""
+
+    peft_config: Any                   # peft.LoraConfig
+    quantized_4bit: bool = False       # QLoRA: base weights NF4 (traced with SimLinear4bit)
+    compute_dtype: torch.dtype = torch.bfloat16  # bnb_4bit_compute_dtype
+
+
+@dataclass
+class TraceResult:
+    """Bytes seen by MemTracker on fake tensors (CPU semantics: exact, unrounded).
+
+    ``phases`` maps a phase of the step to its peak total (weights and inputs included):
+    ``forward``/``backward`` of micro-step 1 (no gradients yet) and ``forward_accum`` /
+    ``backward_accum`` of micro-step 2 (gradients of micro-step 1 alive), or ``eval``.
+    The peak moves between phases with depth (e.g. autocast's weight cache at the end of the
+    forward vs the logits at the start of the backward), so each is extrapolated on its own.
+    """
+
+    num_layers: int
+    weights: int                 # params + buffers of the traced model
+    grads: int                   # gradient bytes of its trainable params
+    inputs: int                  # the micro-batches alive during the step
+    phases: dict[str, int] = field(default_factory=dict)
+    categories: dict[str, dict[str, int]] = field(default_factory=dict)  # per phase, at its peak
+    seconds: float = 0.0
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+
+def layer_count(config: Any) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        v = getattr(text, key, None)
+        if isinstance(v, int):
+            return v
+    raise HfMemkitError(f"cannot find the layer count of `{type(config).__name__}`")
+
+
+def with_layers(config: Any, n: int) -> Any:
+    """A copy of ``config`` with ``n`` blocks (encoder and decoder alike); per-layer lists cut."""
+    cfg = copy.deepcopy(config)
+    full = layer_count(config)
+    targets = [cfg]
+    if hasattr(cfg, "get_text_config") and cfg.get_text_config() is not cfg:
+        targets.append(cfg.get_text_config())
+    for c in targets:
+        for key in _LAYER_KEYS:
+            v = getattr(c, key, None)
+            if isinstance(v, int) and v == full:
+                setattr(c, key, n)
+        for key, v in list(vars(c).items()):
+            if isinstance(v, list) and len(v) == full:  # layer_types, per-layer windows, ...
+                setattr(c, key, v[:n])
+    return cfg
+
+
+def enable_checkpointing(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """transformers 5 renamed gradient_checkpointing_enable; call whichever is installed."""
+    new = getattr(model, "activation_checkpointing_enable", None)
+    if new is not None:
+        new(activation_checkpointing_kwargs=kwargs)
+    else:  # transformers < 5
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if getattr(model.config, "use_cache", False):
+        model.config.use_cache = False  # what the Trainer's checkpointing does (no KV cache)
+
+
+def _wrap_amp(model: torch.nn.Module, amp: str) -> None:
+    """What Accelerator.prepare_model does for native AMP."""
+    from accelerate.utils import convert_outputs_to_fp32
+
+    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+    forward = torch.autocast(device_type="cpu", dtype=dtype)(model.forward.__func__)
+    model.forward = MethodType(convert_outputs_to_fp32(forward), model)
+
+
+def make_batch(model: torch.nn.Module, task: str, batch: int, seq_len: int, *,
+               target_len: int | None = None, padded: bool = False) -> dict[str, torch.Tensor]:
+    """One micro-batch as the default collators produce it (call inside the fake mode)."""
+    vocab = int(getattr(model.config.get_text_config(), "vocab_size", 0) or 2)
+    ids = torch.zeros(batch, seq_len, dtype=torch.long)
+    b: dict[str, torch.Tensor] = {"input_ids": ids}
+    if padded:
+        b["attention_mask"] = torch.ones(batch, seq_len, dtype=torch.long)
+    if task in ("causal-lm", "masked-lm", "base"):
+        b["labels"] = ids.clone() if task != "base" else None
+    elif task == "seq2seq-lm":
+        t = target_len or seq_len
+        b["labels"] = torch.zeros(batch, t, dtype=torch.long)
+    elif task == "sequence-classification":
+        b["labels"] = torch.zeros(batch, dtype=torch.long)
+    elif task == "token-classification":
+        b["labels"] = torch.zeros(batch, seq_len, dtype=torch.long)
+    elif task == "question-answering":
+        b["start_positions"] = torch.zeros(batch, dtype=torch.long)
+        b["end_positions"] = torch.zeros(batch, dtype=torch.long)
+    del vocab
+    return {k: v for k, v in b.items() if v is not None}
+
+
+@contextlib.contextmanager
+def _unpacked_sequences():
+    try:
+        import transformers.masking_utils as mu
+    except ImportError:  # transformers without masking_utils: nothing to patch
+        yield
+        return
+    original = getattr(mu, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    mu.find_packed_sequence_indices = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        mu.find_packed_sequence_indices = original
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _new_tracker(model: torch.nn.Module, inputs: list[torch.Tensor]) -> Any:
+    """A MemTracker over ``model`` and ``inputs``. torch's MemTracker registers a gradient hook
+    on every parameter and fails on frozen ones (a LoRA base); those get a no-op handle."""
+    mt = MemTracker()
+    mt.track_external(model, *inputs)
+    for p in model.parameters():
+        if not p.requires_grad:
+            mt._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+    return mt
+
+
+def _reset_peak(mt: Any) -> None:
+    """Start a new peak window at the current total (what MemTracker.__enter__ does)."""
+    mt._peak_mem_snap = mt.get_tracker_snapshot()
+    mt._peak_mem = {dev: snap["Total"] for dev, snap in mt._peak_mem_snap.items()}
+
+
+def _snap(mt: Any, kind: str) -> dict[str, int]:
+    snap = mt.get_tracker_snapshot(kind).get(CPU, {})
+    return {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
+
+
+def _nbytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        key = id(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+class _Dequant4bitMatmul(torch.autograd.Function):
+    """Memory behaviour of bitsandbytes' MatMul4Bit (bitsandbytes/autograd/_functions.py): the
+    forward dequantises the packed weight to the compute dtype for the GEMM; only the packed
+    weight is kept for backward, which dequantises it again to compute the input's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, packed, out_features: int):
+        w = torch.empty(out_features, x.shape[-1], dtype=x.dtype, device=x.device)
+        ctx.save_for_backward(packed)
+        ctx.shape = (out_features, x.shape[-1])
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        w = torch.empty(ctx.shape, dtype=grad.dtype, device=grad.device)
+        return grad @ w, None, None
+
+
+class SimLinear4bit(torch.nn.Module):
+    """Stands in for ``bnb.nn.Linear4bit`` while tracing: an NF4-packed frozen weight
+    (2 weights per byte) with one fp32 absmax per 64-weight block, and Linear4bit.forward's
+    dtype handling (input cast to the compute dtype, output cast back)."""
+
+    def __init__(self, linear: torch.nn.Linear, compute_dtype: torch.dtype):
+        super().__init__()
+        n = linear.in_features * linear.out_features
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.compute_dtype = compute_dtype
+        self.weight = torch.nn.Parameter(torch.empty((n + 1) // 2, 1, dtype=torch.uint8),
+                                         requires_grad=False)
+        self.register_buffer("absmax", torch.empty(-(-n // 64), dtype=torch.float32))
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inp_dtype = x.dtype
+        out = _Dequant4bitMatmul.apply(x.to(self.compute_dtype), self.weight, self.out_features)
+        if self.bias is not None:
+            out = out + self.bias.to(self.compute_dtype)
+        return out.to(inp_dtype)
+
+
+def quantizable_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
+    """The nn.Linear modules bitsandbytes replaces: all but the output head and adapters."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    out = []
+    for name, mod in model.named_modules():
+        if type(mod) is torch.nn.Linear and mod is not head and "lora_" not in name and \
+                not name.endswith(("lm_head", "classifier", "score", "qa_outputs")):
+            out.append((name, mod))
+    return out
+
+
+def build_fake(model_cls: type, config: Any, *, fm: Any, attn_implementation: str | None,
+               dtype: torch.dtype, lora: LoraSpec | None) -> torch.nn.Module:
+    """The model with fake parameters: built on meta (adapters included), then every parameter
+    and buffer swapped for a fake CPU tensor of the same shape and dtype, memoised by identity so
+    tied weights stay tied. (``to_empty`` inside the fake mode refuses meta tensors, and peft's
+    ``.to()`` cannot swap fake parameters, so the swap is done by hand.)"""
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    config = copy.deepcopy(config)  # building and checkpointing mutate the config
+    with torch.device("meta"):
+        model = model_cls._from_config(config, **kwargs)
+        if lora is not None:
+            import peft
+
+            model = peft.get_peft_model(model, copy.deepcopy(lora.peft_config))
+            if lora.quantized_4bit:
+                base = model.get_base_model()
+                for name, linear in quantizable_linears(base):
+                    parent_name, _, child = name.rpartition(".")
+                    parent = base.get_submodule(parent_name) if parent_name else base
+                    setattr(parent, child, SimLinear4bit(linear, lora.compute_dtype))
+    memo: dict[int, torch.Tensor] = {}
+    with fm:
+        for module in model.modules():
+            for registry in (module._parameters, module._buffers):
+                for name, t in list(registry.items()):
+                    if t is None:
+                        continue
+                    if id(t) not in memo:
+                        e = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                        memo[id(t)] = (torch.nn.Parameter(e, requires_grad=t.requires_grad)
+                                       if isinstance(t, torch.nn.Parameter) else e)
+                    registry[name] = memo[id(t)]
+    return model
+
+
+def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq_len: int,
+               grad_accum: int = 1, amp: str | None = None, dtype: torch.dtype = torch.float32,
+               attn_implementation: str | None = None, checkpointing: bool = False,
+               checkpoint_reentrant: bool = False, lora: LoraSpec | None = None,
+               stage: str = "train", target_len: int | None = None,
+               padded: bool = False) -> TraceResult:
+    """Peak bytes of one forward(+loss+backward) of ``config`` on fake tensors."""
+    require_tracing()
+    t0 = time.perf_counter()
+    fm = FakeTensorMode(allow_non_fake_inputs=False)
+    model = build_fake(model_cls, config, fm=fm, attn_implementation=attn_implementation,
+                       dtype=dtype, lora=lora)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if stage == "train":
+        if checkpointing:
+            enable_checkpointing(base, {"use_reentrant": checkpoint_reentrant})
+            if checkpoint_reentrant or lora is not None:
+                base.enable_input_require_grads()  # as the Trainer does for PEFT / reentrant
+        model.train()
+    else:
+        model.eval()
+    if amp:
+        _wrap_amp(model, amp)
+    n_micro = min(grad_accum, 2) if stage == "train" else 1
+    with fm:
+        batches = [make_batch(base, task, micro_batch, seq_len, target_len=target_len,
+                              padded=padded) for _ in range(max(grad_accum, 1) if stage == "train"
+                                                            else 1)]
+    params = [p for p in model.parameters() if p.requires_grad]
+    weights = _nbytes(list(model.parameters()) + list(model.buffers()))
+    grads = _nbytes(params)
+    inputs = sum(t.numel() * t.element_size() for b in batches for t in b.values())
+
+    all_inputs = [t for b in batches for t in b.values()]
+    phases: dict[str, int] = {}
+    categories: dict[str, dict[str, int]] = {}
+
+    def record(mt: Any, name: str) -> None:
+        snap = _snap(mt, "peak")
+        phases[name] = snap.get("Total", 0)
+        categories[name] = snap
+        _reset_peak(mt)
+
+    for i in range(n_micro):
+        # a fresh tracker per micro-step registers the gradients the previous one left as such
+        suffix = "_accum" if i else ""
+        mt = _new_tracker(model, all_inputs)
+        with fm, mt, _unpacked_sequences():
+            if stage == "train":
+                out = model(**batches[i])
+                loss = out.loss if hasattr(out, "loss") else out[0]
+                if grad_accum > 1:
+                    loss = loss / grad_accum
+                del out
+                record(mt, "forward" + suffix)
+                loss.backward()
+                del loss
+                record(mt, "backward" + suffix)
+            else:
+                with torch.no_grad():
+                    out = model(**batches[0])
+                    del out
+                record(mt, "eval")
+    return TraceResult(num_layers=layer_count(config), weights=weights, grads=grads,
+                       inputs=inputs, phases=phases, categories=categories,
+                       seconds=time.perf_counter() - t0)
