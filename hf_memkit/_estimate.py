@@ -367,6 +367,16 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int, device: Any =
             phases["backward (accumulating)"] = W + inputs + O + G + xp["backward_accum"]
     else:
         phases = {"eval forward": W + inputs + O + xp["eval"]}
+        vocab = getattr(spec.config.get_text_config(), "vocab_size", None)
+        if not setup.prediction_loss_only and vocab and spec.task in ("causal-lm", "seq2seq-lm",
+                                                                      "masked-lm"):
+            per_step = setup.eval_batch * (target_len or seq_len) * vocab * 4
+            every = setup.eval_accumulation_steps
+            notes.append(
+                f"the evaluation loop keeps each batch's logits ({format_bytes(per_step)} per "
+                "eval step) on the device " + (f"for {every} steps before moving them to the CPU"
+                                               if every else "until the evaluation ends") +
+                "; set prediction_loss_only=True or eval_accumulation_steps to bound it")
     phase = max(phases, key=lambda k: phases[k])
     peak = phases[phase]
 

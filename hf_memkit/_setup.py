@@ -59,6 +59,7 @@ class TrainingSetup:
     optim_args: dict[str, str] = field(metadata={"help": "parsed optim_args"})
     max_grad_norm: float = field(metadata={"help": "gradient clipping norm (0 = off)"})
     eval_accumulation_steps: int | None = field(metadata={"help": "move eval preds to CPU every n"})
+    prediction_loss_only: bool = field(default=False, metadata={"help": "eval keeps no logits"})
     sharding: Sharding = field(default_factory=Sharding, metadata={"help": "per-rank split"})
     unmodelled: tuple[str, ...] = field(default=(), metadata={"help": "warned settings"})
 
@@ -166,5 +167,6 @@ def normalize_args(args: TrainingArguments | dict[str, Any] | None, *,
         optim_args=parse_optim_args(get("optim_args")),
         max_grad_norm=float(get("max_grad_norm") or 0.0),
         eval_accumulation_steps=int(eval_acc) if eval_acc else None,
+        prediction_loss_only=bool(get("prediction_loss_only")),
         unmodelled=tuple(unmodelled),
     )

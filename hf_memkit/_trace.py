@@ -310,8 +310,15 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
                attn_implementation: str | None = None, checkpointing: bool = False,
                checkpoint_reentrant: bool = False, lora: LoraSpec | None = None,
                stage: str = "train", target_len: int | None = None,
-               padded: bool = False) -> TraceResult:
-    """Peak bytes of one forward(+loss+backward) of ``config`` on fake tensors."""
+               padded: bool = False, loss: str = "labels") -> TraceResult:
+    """Peak bytes of one forward(+loss+backward) of ``config`` on fake tensors.
+
+    ``loss="labels"`` is the Trainer's path (the model's own loss from ``labels``);
+    ``loss="logits_sum"`` feeds no labels and backpropagates ``logits.sum()``, as some published
+    benchmarks do (shared/anchors note_sdpa_training_benchmark_script).
+    """
+    if loss not in ("labels", "logits_sum"):
+        raise HfMemkitError(f"loss must be 'labels' or 'logits_sum', got {loss!r}")
     require_tracing()
     t0 = time.perf_counter()
     fm = FakeTensorMode(allow_non_fake_inputs=False)
@@ -333,6 +340,9 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
         batches = [make_batch(base, task, micro_batch, seq_len, target_len=target_len,
                               padded=padded) for _ in range(max(grad_accum, 1) if stage == "train"
                                                             else 1)]
+        if loss == "logits_sum":
+            for b in batches:
+                b.pop("labels", None)
     params = [p for p in model.parameters() if p.requires_grad]
     weights = _nbytes(list(model.parameters()) + list(model.buffers()))
     grads = _nbytes(params)
@@ -355,13 +365,16 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
         with fm, mt, _unpacked_sequences():
             if stage == "train":
                 out = model(**batches[i])
-                loss = out.loss if hasattr(out, "loss") else out[0]
+                if loss == "logits_sum":
+                    value = out.logits.sum()
+                else:
+                    value = out.loss if hasattr(out, "loss") else out[0]
                 if grad_accum > 1:
-                    loss = loss / grad_accum
+                    value = value / grad_accum
                 del out
                 record(mt, "forward" + suffix)
-                loss.backward()
-                del loss
+                value.backward()
+                del value
                 record(mt, "backward" + suffix)
             else:
                 with torch.no_grad():

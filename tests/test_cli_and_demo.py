@@ -47,3 +47,23 @@ def test_demo_trains_and_reports_memory(tmp_path):
     assert r.device.kind == "cpu"
     # Training allocates at least the AdamW state (2 x 4 B x params) beyond what existed before.
     assert r.peak_rss_during_train is None or r.peak_rss_during_train > 8 * r.profile.total_params
+
+
+def test_estimate_command_matches_api(capsys):
+    args = ["estimate", "gpt2", "--gpu", "A100-80GB", "--seq-len", "256", "--batch", "2",
+            "bf16=true", "--json", "optim=adafactor"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    api = mk.estimate_memory("gpt2", dict(per_device_train_batch_size=2,
+                                          per_device_eval_batch_size=2, bf16=True,
+                                          optim="adafactor"),
+                             seq_len=256, device="A100-80GB")
+    assert out["device_used"] == api.device_used
+    assert out["setup"]["optim"] == "adafactor" and out["setup"]["amp"] == "bf16"
+
+
+def test_estimate_bad_input_exits_2(capsys):
+    assert main(["estimate", "gpt2", "--gpu", "A100-90GB", "--seq-len", "128"]) == 2
+    assert "unknown GPU `A100-90GB`" in capsys.readouterr().err
+    assert main(["estimate", "gpt2", "--seq-len", "128", "optim=adamw_fast"]) == 2
+    assert "adamw_fast" in capsys.readouterr().err

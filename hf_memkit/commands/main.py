@@ -9,16 +9,18 @@ import argparse
 import sys
 
 from .._errors import HfMemkitError
-from . import demo, devices, probe
+from . import demo, devices, estimate, probe
 
-COMMANDS = (devices, probe, demo)
+COMMANDS = (devices, probe, estimate, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-memkit",
         description="Predict, plan and watch the memory of Hugging Face training runs.",
-        epilog="Examples:\n  hf-memkit devices\n  hf-memkit probe --json\n  hf-memkit demo",
+        epilog="Examples:\n  hf-memkit devices\n  hf-memkit probe --json\n"
+               "  hf-memkit estimate Llama-3.1-8B --gpu RTX-4090 --seq-len 2048 --batch 1 bf16=true\n"
+               "  hf-memkit demo",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -29,7 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # FIELD=VALUE settings may sit anywhere among the options (argparse cannot intermix them)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "fields") or any("=" not in e or e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        from .estimate import _field
+
+        args.fields = list(args.fields) + [_field(e) for e in extra]
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -1,0 +1,209 @@
+"""Estimator vs an independent CPU measurement, over a matrix of real Trainer runs.
+
+Each case is trained for 3 steps through the real ``transformers.Trainer`` in a child process
+(``hf_memkit._groundtruth``: RSS with ``MALLOC_MMAP_THRESHOLD_=65536``, peak reset through
+``/proc/self/clear_refs``, plus the bytes of tensors alive when the window opens; steady-state
+steps). The prediction is ``estimate_memory(...).peak_allocated`` for the same setup, made without
+running anything. Two baselines are shown side by side:
+  * weights only, as ``accelerate estimate-memory`` reports a model's size;
+  * "18 bytes/param and nothing for activations" (fp32 AdamW mixed-precision rule of thumb).
+
+Bar (issue #3): median |error| <= 3%, worst <= 8%.
+
+    python bench/estimator_cpu.py [--json results.json] [--only SUBSTRING]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from transformers import (
+    BertConfig,
+    BitsAndBytesConfig,
+    GPT2Config,
+    LlamaConfig,
+    OPTConfig,
+    Qwen2Config,
+    T5Config,
+)
+
+import hf_memkit as mk
+from hf_memkit._groundtruth import measure_trainer_peak
+from hf_memkit._units import MiB
+
+LLAMA = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=8000,
+                    tie_word_embeddings=False)
+QWEN = Qwen2Config(hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                   num_attention_heads=8, num_key_value_heads=2, vocab_size=8000,
+                   tie_word_embeddings=True)
+GPT2 = GPT2Config(n_embd=256, n_layer=4, n_head=4, vocab_size=8000, n_positions=1024,
+                  bos_token_id=0, eos_token_id=0)
+BERT = BertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                  intermediate_size=1024, vocab_size=8000, max_position_embeddings=512)
+OPT = OPTConfig(hidden_size=256, ffn_dim=1024, num_hidden_layers=4, num_attention_heads=4,
+                vocab_size=8000, word_embed_proj_dim=256, max_position_embeddings=1024,
+                bos_token_id=0, eos_token_id=0, pad_token_id=1)
+T5 = T5Config(d_model=256, d_ff=1024, d_kv=64, num_heads=4, num_layers=3, vocab_size=8000)
+
+LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            lora_dropout=0.0)
+NF4 = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype="bfloat16")
+
+
+def case(name, config, args, seq, *, task="causal-lm", attn=None, lora=None, quant=None,
+         dtype=None, target_len=None):
+    return dict(name=name, config=config, args=args, seq=seq, task=task, attn=attn, lora=lora,
+                quant=quant, dtype=dtype, target_len=target_len)
+
+
+def b(n, **kw):
+    return dict(per_device_train_batch_size=n, **kw)
+
+
+CASES = [
+    # llama (GQA, untied head)
+    case("llama fp32 adamw sdpa", LLAMA, b(4, optim="adamw_torch"), 512),
+    case("llama fp32 adamw eager", LLAMA, b(4, optim="adamw_torch"), 256, attn="eager"),
+    case("llama bf16 fused", LLAMA, b(4, optim="adamw_torch_fused", bf16=True), 512),
+    case("llama bf16 fused ckpt", LLAMA, b(4, optim="adamw_torch_fused", bf16=True,
+                                           gradient_checkpointing=True), 512),
+    case("llama fp32 accum4 bnb8bit", LLAMA, b(2, optim="adamw_bnb_8bit",
+                                               gradient_accumulation_steps=4), 512),
+    case("llama fp32 adafactor ckpt", LLAMA, b(8, optim="adafactor",
+                                               gradient_checkpointing=True), 256),
+    case("llama pure-bf16 adamw", LLAMA, b(4, optim="adamw_torch"), 512, dtype="bfloat16"),
+    case("llama bf16 sgd", LLAMA, b(8, optim="sgd", bf16=True), 256),
+    case("llama lora fp32", LLAMA, b(4, optim="adamw_torch"), 512, lora=LORA),
+    case("llama qlora bf16", LLAMA, b(4, optim="adamw_torch", bf16=True), 512, lora=LORA,
+         quant=NF4, dtype="bfloat16"),
+    case("llama qlora bf16 ckpt", LLAMA, b(4, optim="adamw_torch", bf16=True,
+                                           gradient_checkpointing=True), 512, lora=LORA,
+         quant=NF4, dtype="bfloat16"),
+    # qwen2 (GQA, tied head)
+    case("qwen2 fp32 lion8bit", QWEN, b(4, optim="lion_8bit"), 512),
+    case("qwen2 bf16 fused accum2", QWEN, b(4, optim="adamw_torch_fused", bf16=True,
+                                            gradient_accumulation_steps=2), 512),
+    # gpt2 (Conv1D, tied, learned positions)
+    case("gpt2 fp32 adamw sdpa", GPT2, b(4, optim="adamw_torch"), 512),
+    case("gpt2 fp32 adamw eager", GPT2, b(4, optim="adamw_torch"), 512, attn="eager"),
+    case("gpt2 bf16 bnb8bit ckpt", GPT2, b(8, optim="adamw_bnb_8bit", bf16=True,
+                                           gradient_checkpointing=True), 512),
+    case("gpt2 fp32 adafactor accum2", GPT2, b(4, optim="adafactor",
+                                               gradient_accumulation_steps=2), 256),
+    # opt (post-LN variants, learned positions)
+    case("opt fp32 adamw eager", OPT, b(4, optim="adamw_torch"), 512, attn="eager"),
+    case("opt bf16 fused sdpa", OPT, b(4, optim="adamw_torch_fused", bf16=True), 512),
+    # bert (encoder, classification head)
+    case("bert-cls fp32 adamw", BERT, b(16, optim="adamw_torch"), 256,
+         task="sequence-classification"),
+    case("bert-cls bf16 fused ckpt", BERT, b(16, optim="adamw_torch_fused", bf16=True,
+                                             gradient_checkpointing=True), 256,
+         task="sequence-classification"),
+    case("bert-mlm fp32 eager adafactor", BERT, b(8, optim="adafactor"), 256,
+         task="masked-lm", attn="eager"),
+    case("bert-mlm bf16 sgd", BERT, b(8, optim="sgd", bf16=True), 512, task="masked-lm"),
+    # t5 (encoder-decoder)
+    case("t5 fp32 adamw", T5, b(4, optim="adamw_torch"), 256, task="seq2seq-lm", target_len=64),
+    case("t5 bf16 adafactor ckpt", T5, b(8, optim="adafactor", bf16=True,
+                                         gradient_checkpointing=True), 256,
+         task="seq2seq-lm", target_len=64),
+    case("t5 fp32 bnb8bit accum2", T5, b(4, optim="adamw_bnb_8bit",
+                                         gradient_accumulation_steps=2), 256,
+         task="seq2seq-lm", target_len=128),
+]
+
+
+def predict(c):
+    import peft
+
+    qc = None
+    if c["quant"]:
+        q = dict(c["quant"])
+        q["bnb_4bit_compute_dtype"] = getattr(torch, q["bnb_4bit_compute_dtype"])
+        qc = BitsAndBytesConfig(**q)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return mk.estimate_memory(
+            c["config"], c["args"], seq_len=c["seq"], device="cpu", task=c["task"],
+            target_len=c["target_len"], attn_implementation=c["attn"],
+            dtype=getattr(torch, c["dtype"]) if c["dtype"] and not c["quant"] else None,
+            peft_config=peft.LoraConfig(**c["lora"]) if c["lora"] else None,
+            quantization_config=qc)
+
+
+def measure(c):
+    spec = {"config": c["config"].to_dict(), "task": c["task"], "args": c["args"],
+            "seq_len": c["seq"], "attn_implementation": c["attn"], "lora": c["lora"],
+            "quantization": c["quant"], "target_len": c["target_len"]}
+    if c["dtype"]:
+        spec["dtype"] = c["dtype"]
+    return measure_trainer_peak(spec)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write per-case results here")
+    ap.add_argument("--only", help="run cases whose name contains this")
+    a = ap.parse_args(argv)
+    cases = [c for c in CASES if not a.only or a.only in c["name"]]
+    rows = []
+    console = Console(width=150)
+    for c in cases:
+        t0 = time.perf_counter()
+        e = predict(c)
+        t_est = time.perf_counter() - t0
+        m = measure(c)
+        prof = mk.profile_model(c["config"], task=c["task"])
+        weights_only = prof.total_params * (2 if c["dtype"] == "bfloat16" else 4)
+        rule18 = 18 * prof.total_params
+        row = dict(name=c["name"], measured=m["peak"], predicted=e.peak_allocated,
+                   err=e.peak_allocated / m["peak"] - 1,
+                   weights_only_err=weights_only / m["peak"] - 1,
+                   rule18_err=rule18 / m["peak"] - 1,
+                   activation_share=e.breakdown["activations"] / e.peak_allocated,
+                   phase=e.peak_phase, estimate_s=t_est)
+        rows.append(row)
+        console.print(f"{row['name']:32s} measured {m['peak'] / MiB:8.2f} MiB  predicted "
+                      f"{e.peak_allocated / MiB:8.2f} MiB  error {100 * row['err']:+6.2f}%")
+    t = Table(title="estimate_memory vs measured peak (CPU, real Trainer, RSS method)")
+    for col in ("case", "measured MiB", "predicted MiB", "error", "weights-only err",
+                "18 B/param err", "activations", "peak phase", "estimate s"):
+        t.add_column(col, justify="left" if col in ("case", "peak phase") else "right")
+    for r in rows:
+        t.add_row(r["name"], f"{r['measured'] / MiB:.1f}", f"{r['predicted'] / MiB:.1f}",
+                  f"{100 * r['err']:+.2f}%", f"{100 * r['weights_only_err']:+.0f}%",
+                  f"{100 * r['rule18_err']:+.0f}%", f"{100 * r['activation_share']:.0f}%",
+                  r["phase"], f"{r['estimate_s']:.2f}")
+    console.print(t)
+    errs = [abs(r["err"]) for r in rows]
+    base_w = [abs(r["weights_only_err"]) for r in rows]
+    base_18 = [abs(r["rule18_err"]) for r in rows]
+    act_heavy = sum(r["activation_share"] >= 0.5 for r in rows)
+    summary = dict(cases=len(rows), median_abs_err=statistics.median(errs), worst_abs_err=max(errs),
+                   weights_only_median_abs_err=statistics.median(base_w),
+                   rule18_median_abs_err=statistics.median(base_18),
+                   activation_heavy_cases=act_heavy)
+    console.print(
+        f"{len(rows)} cases: hf_memkit median |error| {100 * summary['median_abs_err']:.2f}%, "
+        f"worst {100 * summary['worst_abs_err']:.2f}% (bar: 3% / 8%); weights-only median "
+        f"{100 * summary['weights_only_median_abs_err']:.0f}%, 18 B/param median "
+        f"{100 * summary['rule18_median_abs_err']:.0f}%; {act_heavy}/{len(rows)} cases have "
+        "activations >= 50% of the peak")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"summary": summary, "rows": rows}, f, indent=2)
+    ok = summary["median_abs_err"] <= 0.03 and summary["worst_abs_err"] <= 0.08
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""``hf-memkit estimate``: the memory breakdown of one training setup, on any GPU, without one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.console import Console
+
+from .._errors import HfMemkitError
+from .._estimate import estimate_memory
+from .._render import estimate_table
+
+
+def _field(text: str) -> tuple[str, object]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected FIELD=VALUE, got `{text}`")
+    key, value = text.split("=", 1)
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def estimate_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "estimate", help="predict the memory of one training setup",
+        description="Predict peak memory of a training (or eval) step of MODEL (a bundled name, a "
+                    "local directory with config.json) on a catalog GPU or this machine.",
+        epilog="Examples:\n"
+               "  hf-memkit estimate Llama-3.1-8B --gpu RTX-4090 --seq-len 2048 --batch 1 \\\n"
+               "      bf16=true gradient_checkpointing=true optim=adamw_bnb_8bit\n"
+               "  hf-memkit estimate gpt2 --gpu cpu --seq-len 512 --batch 8 --json\n"
+               "  hf-memkit estimate bert-large-uncased --task sequence-classification "
+               "--gpu T4 --seq-len 512 --batch 8 fp16=true",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", help="bundled model name or local directory with config.json")
+    p.add_argument("fields", nargs="*", type=_field, metavar="FIELD=VALUE",
+                   help="any TrainingArguments field, e.g. bf16=true optim=adafactor")
+    p.add_argument("--gpu", default=None, help="catalog GPU (hf-memkit devices) or 'cpu'; "
+                                               "default: this machine")
+    p.add_argument("--seq-len", type=int, required=True, help="longest sequence in a batch")
+    p.add_argument("--batch", type=int, default=None, help="per_device_train_batch_size")
+    p.add_argument("--task", default=None, help="head: causal-lm, sequence-classification, ...")
+    p.add_argument("--stage", default="train", choices=("train", "eval"))
+    p.add_argument("--dtype", default=None, help="load dtype (bfloat16 = pure bf16 training)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return p
+
+
+def estimate_command(args: argparse.Namespace) -> int:
+    fields = dict(args.fields)
+    if args.batch is not None:
+        fields["per_device_train_batch_size"] = args.batch
+        fields.setdefault("per_device_eval_batch_size", args.batch)
+    try:
+        est = estimate_memory(args.model, fields, seq_len=args.seq_len, device=args.gpu,
+                              stage=args.stage, task=args.task, dtype=args.dtype)
+    except ValueError as exc:
+        raise HfMemkitError(str(exc)) from exc
+    if args.json:
+        print(json.dumps(est.to_dict(), indent=2, default=str))
+    else:
+        Console().print(estimate_table(est))
+    return 0
+
+
+def register(sub) -> None:
+    estimate_parser(sub).set_defaults(func=estimate_command)
