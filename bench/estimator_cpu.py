@@ -52,7 +52,8 @@ BERT = BertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
 OPT = OPTConfig(hidden_size=256, ffn_dim=1024, num_hidden_layers=4, num_attention_heads=4,
                 vocab_size=8000, word_embed_proj_dim=256, max_position_embeddings=1024,
                 bos_token_id=0, eos_token_id=0, pad_token_id=1)
-T5 = T5Config(d_model=256, d_ff=1024, d_kv=64, num_heads=4, num_layers=3, vocab_size=8000)
+T5 = T5Config(d_model=256, d_ff=1024, d_kv=64, num_heads=4, num_layers=3, vocab_size=8000,
+              decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
 
 LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
             lora_dropout=0.0)

@@ -200,6 +200,17 @@ def _meta_model(model_cls: type, config: PretrainedConfig, dtype: torch.dtype,
     return m
 
 
+def _learned_positions(model: torch.nn.Module) -> int | None:
+    """Longest sequence a model with a learned absolute position table can take (None: rotary,
+    relative or other schemes without a hard limit). OPT/RoBERTa tables carry an offset of 2."""
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Embedding) and ("pos" in name.split(".")[-1] or
+                                                  name.endswith("wpe")):
+            return int(limit) if limit else m.num_embeddings
+    return None
+
+
 def _model_states(spec: _ModelSpec) -> tuple[int, list[ParamInfo]]:
     """(weight bytes incl. buffers and quantization constants, trainable params)."""
     weights = 0
@@ -326,11 +337,10 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int, device: Any =
             f"{spec.model_cls.__name__} does not support gradient checkpointing; set "
             "activation_checkpointing=False (and use a smaller micro-batch or another memory "
             "saver instead)")
-    max_pos = getattr(spec.config.get_text_config(), "max_position_embeddings", None)
-    if max_pos and seq_len > max_pos and getattr(spec.config, "model_type", "") in (
-            "bert", "roberta", "xlm-roberta", "gpt2", "opt"):
-        raise HfMemkitError(f"seq_len {seq_len} exceeds this model's learned positions "
-                            f"({max_pos}); use seq_len <= {max_pos}")
+    learned = _learned_positions(spec.meta)
+    if learned and seq_len > learned:
+        raise HfMemkitError(f"seq_len {seq_len} exceeds this model's learned position "
+                            f"embeddings ({learned}); use seq_len <= {learned}")
     if setup.amp == "bf16" and dev.kind == "cuda" and not dev.supports_bf16:
         notes.append(f"{dev.name} has no bf16 tensor cores (compute capability "
                      f"{dev.compute_capability}); bf16 runs emulated and slow")
@@ -395,7 +405,7 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int, device: Any =
 
     if dev.kind == "cuda":
         cal = CALIBRATION
-        workspace = cublas_workspace(dev.compute_capability)
+        workspace = cublas_workspace(dev.compute_capability) + cal.alloc_const
         peak_allocated = peak + workspace
         parts["temporaries"] += workspace
         frag = int(cal.frag_ratio * peak_allocated + cal.frag_const)

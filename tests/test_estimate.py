@@ -254,3 +254,10 @@ def test_quantized_base_without_adapter():
 
     with pytest.raises(mk.HfMemkitError, match="peft_config"):
         est(quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+
+
+def test_seq_len_beyond_learned_positions():
+    gpt2 = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=500, n_positions=128)
+    with pytest.raises(mk.HfMemkitError, match=r"exceeds .* learned position.*<= 128"):
+        est(gpt2, seq_len=256)
+    assert est(LLAMA, seq_len=4096, args=dict(per_device_train_batch_size=1)).peak_allocated > 0
