@@ -4,24 +4,32 @@ Data flow (see README):
     probe_device / get_device -> DeviceInfo
     profile_model             -> ModelProfile
     estimate_memory           -> MemoryEstimate
+    plan_training             -> Plan (-> TrainingArguments, model kwargs, LoRA config)
 """
 
 from ._device import DeviceInfo, get_device, list_devices, probe_device
 from ._errors import ConfigError, HfMemkitError
 from ._estimate import MemoryEstimate, estimate_memory
+from ._plan import Candidate, Plan, auto_training_args, max_batch_size, max_seq_len, plan_training
 from ._profile import ModelProfile, profile_model
 from ._version import __version__
 
 __all__ = [
+    "Candidate",
     "ConfigError",
     "DeviceInfo",
     "HfMemkitError",
     "MemoryEstimate",
+    "Plan",
     "ModelProfile",
     "__version__",
+    "auto_training_args",
     "estimate_memory",
     "get_device",
     "list_devices",
+    "max_batch_size",
+    "max_seq_len",
+    "plan_training",
     "probe_device",
     "profile_model",
 ]

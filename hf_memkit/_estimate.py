@@ -213,7 +213,15 @@ def _learned_positions(model: torch.nn.Module) -> int | None:
 
 
 def _model_states(spec: _ModelSpec) -> tuple[int, list[ParamInfo]]:
-    """(weight bytes incl. buffers and quantization constants, trainable params)."""
+    """(weight bytes incl. buffers and quantization constants, trainable params); memoised on
+    the spec (a plan asks for it once per candidate)."""
+    cached = getattr(spec, "_states", None)
+    if cached is None:
+        cached = spec._states = _compute_model_states(spec)
+    return cached
+
+
+def _compute_model_states(spec: _ModelSpec) -> tuple[int, list[ParamInfo]]:
     weights = 0
     quantized: set[int] = set()
     if spec.quant_bits:
@@ -332,6 +340,64 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int, device: Any =
     dev = resolve_device(device)
     spec = _resolve_model(model, task=task, dtype=dtype, attn_implementation=attn_implementation,
                           peft_config=peft_config, quantization_config=quantization_config)
+    return estimate_for(spec, setup, dev, seq_len=seq_len, stage=stage, target_len=target_len,
+                        padded=padded)
+
+
+class TraceCache:
+    """Memoised traces for many estimates of one model (the planner's search).
+
+    Activations grow linearly in the micro-batch at a fixed sequence length (every activation
+    is batch-major; weight-sized temporaries such as autocast's cache are constant), so each
+    trace configuration is traced at micro-batch 1 and 2 and extrapolated; the test suite checks
+    the extrapolation against direct traces.
+    """
+
+    def __init__(self) -> None:
+        self._store: dict[tuple, _Excess] = {}
+
+    def excess(self, spec: _ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: str,
+               target_len: int | None, padded: bool) -> _Excess:
+        # traced with two micro-steps: one trace serves accumulating and non-accumulating setups
+        # (the accumulating phases are dropped when grad_accum == 1)
+        accumulating = stage == "train" and setup.grad_accum > 1
+        batch = setup.micro_batch if stage == "train" else setup.eval_batch
+        key = (id(spec), stage, setup.amp, setup.checkpointing, setup.checkpoint_reentrant,
+               setup.checkpoint_every_n_layers, seq_len, target_len, padded)
+
+        def at(b: int) -> _Excess:
+            k = key + (b,)
+            if k not in self._store:
+                s = setup.replace(micro_batch=b, eval_batch=b,
+                                  grad_accum=2 if stage == "train" else 1)
+                self._store[k] = _trace_excess(spec, s, seq_len=seq_len, stage=stage,
+                                               target_len=target_len, padded=padded)
+            e = self._store[k]
+            if stage == "train":  # the Trainer prefetches all micro-batches of a step
+                phases = e.phases if accumulating else {
+                    p: v for p, v in e.phases.items() if not p.endswith("_accum")}
+                e = _Excess(phases, e.categories, e.inputs // 2 * setup.grad_accum, e.seconds,
+                            e.layers)
+            return e
+
+        if batch <= 2:
+            return at(batch)
+        e1, e2 = at(1), at(2)
+        m = batch - 1
+
+        def lin(x1: int, x2: int) -> int:
+            return int(x1 + (x2 - x1) * m)
+
+        return _Excess({k: lin(e1.phases[k], e2.phases[k]) for k in e1.phases},
+                       {p: {c: max(0, lin(e1.categories[p][c], e2.categories[p][c]))
+                            for c in e1.categories[p]} for p in e1.categories},
+                       lin(e1.inputs, e2.inputs), 0.0, e1.layers)
+
+
+def estimate_for(spec: _ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_len: int,
+                 stage: str = "train", target_len: int | None = None, padded: bool = False,
+                 cache: TraceCache | None = None) -> MemoryEstimate:
+    """``estimate_memory`` for an already resolved model and setup (the planner's entry)."""
     notes: list[str] = []
     if setup.checkpointing and not spec.supports_checkpointing:
         raise HfMemkitError(
@@ -362,8 +428,12 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int, device: Any =
         notes.append(f"{format_bytes(om.paged)} of paged optimizer state lives in CUDA managed "
                      "memory (outside max_memory_allocated; NVML counts it while resident)")
 
-    ex = _trace_excess(spec, setup, seq_len=seq_len, stage=stage, target_len=target_len,
-                       padded=padded)
+    if cache is not None:
+        ex = cache.excess(spec, setup, seq_len=seq_len, stage=stage, target_len=target_len,
+                          padded=padded)
+    else:
+        ex = _trace_excess(spec, setup, seq_len=seq_len, stage=stage, target_len=target_len,
+                           padded=padded)
     # QLoRA's dequantisation temporaries are traced (_trace.SimLinear4bit); an 8-bit base is
     # traced as frozen linears of the load dtype.
     inputs = ex.inputs

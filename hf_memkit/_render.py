@@ -111,3 +111,51 @@ def estimate_table(est) -> Table:
               f"{format_bytes(lo)} .. {format_bytes(hi)}", style="bold green")
     t.caption = f"peak in: {est.peak_phase}" + "".join(f"\nnote: {n}" for n in est.notes)
     return t
+
+
+def plan_tables(plan) -> list:
+    """The tables ``Plan.explain()`` prints: summary, chosen setup's memory, alternatives."""
+    c = plan.chosen
+    head = Table(title="hf-memkit plan", show_header=False)
+    head.add_column("field", style="bold")
+    head.add_column("value")
+    name = plan.model_name if isinstance(plan.model_name, str) else getattr(
+        plan.model_name, "name_or_path", "") or type(plan.model_name).__name__
+    rows = [
+        ("device", f"{plan.device.name} x {plan.num_gpus} ({format_bytes(plan.device.total_memory)}"
+                   f" each; budget {format_bytes(plan.budget)})"),
+        ("model", str(name)),
+        ("batch", f"target {plan.target_batch_size} = micro-batch {c.micro_batch} x accumulation "
+                  f"{c.grad_accum} x {plan.num_gpus} rank(s), seq_len {plan.seq_len}"),
+        ("chosen", c.label() + f", attention {c.attn}"),
+        ("predicted memory", f"{format_bytes(c.device_used)} of {format_bytes(plan.budget)}"),
+    ]
+    for k, v in rows:
+        head.add_row(k, v)
+    out = [head]
+    if c.estimate is not None:
+        out.append(estimate_table(c.estimate))
+    alt = Table(title="setups considered (fastest first)")
+    for col in ("setup", "rel. time/sample", "device used", "verdict"):
+        alt.add_column(col)
+    ranked = sorted(plan.candidates, key=lambda x: (not x.chosen, x.estimate is None, x.rel_time))
+    shown = [x for x in ranked if x.estimate is not None][:8]
+    for x in shown:
+        alt.add_row(x.label(), f"{x.rel_time:.2f}x", format_bytes(x.device_used),
+                    "CHOSEN" if x.chosen else x.reason)
+    rejected: dict[str, int] = {}
+    for x in plan.candidates:
+        if x.estimate is None:
+            key = ("weights + gradients + optimizer state alone exceed the budget"
+                   if "alone need" in x.reason else x.reason)
+            rejected[key] = rejected.get(key, 0) + 1
+    for reason, n in rejected.items():
+        alt.add_row(f"{n} more setup(s)", "", "", reason)
+    out.append(alt)
+    if plan.notes:
+        notes = Table(title="notes", show_header=False)
+        notes.add_column("note")
+        for n in plan.notes:
+            notes.add_row(n)
+        out.append(notes)
+    return out
