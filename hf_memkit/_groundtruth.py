@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any
 
 _MARK = "@@HF_MEMKIT_RESULT "
@@ -165,11 +166,13 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
                 self.open = {"alive": alive, "rss": _status_bytes("VmRSS")}
                 with open("/proc/self/clear_refs", "w") as f:
                     f.write("5")
+                self.t0 = time.perf_counter()
 
             def on_step_end(self, args, state, control, **kw):
+                seconds = time.perf_counter() - self.t0
                 hwm = _status_bytes("VmHWM")
                 rec = {"step": state.global_step, "alive_open": self.open["alive"],
-                       "peak": hwm - self.open["rss"] + self.open["alive"]}
+                       "peak": hwm - self.open["rss"] + self.open["alive"], "seconds": seconds}
                 if with_mt:
                     self.mt.__exit__(None, None, None)
                     snap = self.mt.get_tracker_snapshot("peak")[torch.device("cpu")]
@@ -186,8 +189,11 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
                                        data_collator=collate, callbacks=[Window()])
         trainer.train()
-        steady = [r["peak"] for r in records if r["step"] >= 2] or [r["peak"] for r in records]
-        return {"peak": max(steady), "steps": records,
+        steady = [r for r in records if r["step"] >= 2] or records
+        secs = sorted(r["seconds"] for r in steady)
+        samples = a.get("per_device_train_batch_size", 8) * a.get("gradient_accumulation_steps", 1)
+        return {"peak": max(r["peak"] for r in steady), "steps": records,
+                "samples_per_second": samples / secs[len(secs) // 2],
                 "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
                 "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__}
 

@@ -67,3 +67,26 @@ def test_estimate_bad_input_exits_2(capsys):
     assert "unknown GPU `A100-90GB`" in capsys.readouterr().err
     assert main(["estimate", "gpt2", "--seq-len", "128", "optim=adamw_fast"]) == 2
     assert "adamw_fast" in capsys.readouterr().err
+
+
+def test_plan_command_json_matches_api(capsys):
+    assert main(["plan", "gpt2", "--gpu", "T4", "--seq-len", "256", "--target-batch", "16",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    api = mk.plan_training("gpt2", seq_len=256, target_batch_size=16, device="T4")
+    assert out["training_args_kwargs"] == api.training_args_kwargs
+    chosen = next(c for c in out["candidates"] if c["chosen"])
+    assert chosen["device_used"] == api.chosen.device_used
+
+
+def test_plan_command_bad_target_exits_2(capsys):
+    assert main(["plan", "gpt2", "--gpu", "T4", "--seq-len", "256", "--target-batch", "30",
+                 "--num-gpus", "4"]) == 2
+    assert "nearest valid targets: 28, 32" in capsys.readouterr().err
+
+
+def test_estimate_reverse_query(capsys):
+    assert main(["estimate", "gpt2", "--gpu", "T4", "--seq-len", "1024", "--max-batch",
+                 "fp16=true", "--json"]) == 0
+    n = json.loads(capsys.readouterr().out)["max_batch_size"]
+    assert n == mk.max_batch_size("gpt2", dict(fp16=True), seq_len=1024, device="T4") and n > 0

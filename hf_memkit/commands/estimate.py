@@ -46,6 +46,11 @@ def estimate_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--stage", default="train", choices=("train", "eval"))
     p.add_argument("--dtype", default=None, help="load dtype (bfloat16 = pure bf16 training)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--max-batch", action="store_true",
+                   help="instead: the largest micro-batch that fits (reverse query)")
+    p.add_argument("--max-seq-len", action="store_true",
+                   help="instead: the longest seq_len (multiple of 64) that fits, up to --seq-len")
+    p.add_argument("--headroom", type=float, default=0.1, help="for --max-batch/--max-seq-len")
     return p
 
 
@@ -54,6 +59,20 @@ def estimate_command(args: argparse.Namespace) -> int:
     if args.batch is not None:
         fields["per_device_train_batch_size"] = args.batch
         fields.setdefault("per_device_eval_batch_size", args.batch)
+    if args.max_batch or args.max_seq_len:
+        from .._plan import max_batch_size, max_seq_len
+
+        kw = dict(device=args.gpu, headroom=args.headroom, task=args.task, dtype=args.dtype)
+        if args.max_batch:
+            n = max_batch_size(args.model, fields, seq_len=args.seq_len, **kw)
+            text = f"largest micro-batch that fits at seq_len {args.seq_len}: {n}"
+            result = {"max_batch_size": n}
+        else:
+            n = max_seq_len(args.model, fields, limit=args.seq_len, **kw)
+            text = f"longest seq_len that fits (up to {args.seq_len}): {n}"
+            result = {"max_seq_len": n}
+        print(json.dumps(result) if args.json else text)
+        return 0
     try:
         est = estimate_memory(args.model, fields, seq_len=args.seq_len, device=args.gpu,
                               stage=args.stage, task=args.task, dtype=args.dtype)

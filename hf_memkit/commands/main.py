@@ -9,9 +9,9 @@ import argparse
 import sys
 
 from .._errors import HfMemkitError
-from . import demo, devices, estimate, probe
+from . import demo, devices, estimate, plan, probe
 
-COMMANDS = (devices, probe, estimate, demo)
+COMMANDS = (devices, probe, estimate, plan, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Predict, plan and watch the memory of Hugging Face training runs.",
         epilog="Examples:\n  hf-memkit devices\n  hf-memkit probe --json\n"
                "  hf-memkit estimate Llama-3.1-8B --gpu RTX-4090 --seq-len 2048 --batch 1 bf16=true\n"
+               "  hf-memkit plan Llama-3.1-8B --gpu RTX-4090 --seq-len 2048 --target-batch 32\n"
                "  hf-memkit demo",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
