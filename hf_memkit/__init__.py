@@ -5,6 +5,7 @@ Data flow (see README):
     profile_model             -> ModelProfile
     estimate_memory           -> MemoryEstimate
     plan_training             -> Plan (-> TrainingArguments, model kwargs, LoRA config)
+    MemoryCallback, ThroughputCallback, OOMGuardTrainer: watch a run, survive an OOM
 """
 
 from ._device import DeviceInfo, get_device, list_devices, probe_device
@@ -13,23 +14,39 @@ from ._estimate import MemoryEstimate, estimate_memory
 from ._plan import Candidate, Plan, auto_training_args, max_batch_size, max_seq_len, plan_training
 from ._profile import ModelProfile, profile_model
 from ._version import __version__
+from .callbacks import (
+    MemoryCallback,
+    OOMGuardMixin,
+    OOMGuardTrainer,
+    OOMRecovery,
+    OOMRecoveryError,
+    ThroughputCallback,
+    is_oom_error,
+)
 
 __all__ = [
     "Candidate",
     "ConfigError",
     "DeviceInfo",
     "HfMemkitError",
+    "MemoryCallback",
     "MemoryEstimate",
-    "Plan",
     "ModelProfile",
-    "__version__",
+    "OOMGuardMixin",
+    "OOMGuardTrainer",
+    "OOMRecovery",
+    "OOMRecoveryError",
+    "Plan",
+    "ThroughputCallback",
     "auto_training_args",
     "estimate_memory",
     "get_device",
+    "is_oom_error",
     "list_devices",
     "max_batch_size",
     "max_seq_len",
     "plan_training",
     "probe_device",
     "profile_model",
+    "__version__",
 ]

@@ -1,0 +1,194 @@
+"""Memory readings per device kind, behind one small interface (bytes throughout).
+
+* CUDA: the caching allocator's host-side counters (``memory_allocated``, ``memory_reserved``,
+  ``max_memory_allocated`` / ``reset_peak_memory_stats``): none of them synchronises the device.
+  NVML (nvidia-ml-py, where installed) adds what ``nvidia-smi`` shows and the utilisation.
+* CPU: resident set size from ``/proc/self/status``; the peak is ``VmHWM``, reset by writing
+  ``5`` to ``/proc/self/clear_refs`` (DESIGN.md). "Allocated" is RSS minus the process's
+  non-tensor baseline (RSS minus the bytes of live CPU tensors, measured once when training
+  starts and once more after the first optimizer step, when thread pools and kernel caches
+  exist), so it is comparable with ``MemoryEstimate.peak_allocated``. It is exact when the process
+  runs with ``MALLOC_MMAP_THRESHOLD_=65536``; without it, freed heap memory that glibc keeps counts.
+* MPS: ``torch.mps.current_allocated_memory`` / ``driver_allocated_memory``; MPS keeps no peak,
+  so the peak is the largest reading taken.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import warnings
+from typing import Any
+
+import torch
+
+from .. import _rss
+
+logger = logging.getLogger(__name__)
+
+
+def alive_cpu_tensor_bytes() -> int:
+    """Bytes of the distinct CPU tensor storages reachable from Python (a gc walk: slow, rare)."""
+    seen: dict[int, int] = {}
+    with warnings.catch_warnings():  # deprecated torch shims and fake tensors warn when probed
+        warnings.simplefilter("ignore")
+        for o in gc.get_objects():
+            if not isinstance(o, torch.Tensor):
+                continue
+            try:
+                if o.device.type != "cpu" or o.is_meta:
+                    continue
+                st = o.untyped_storage()
+                ptr = st.data_ptr()
+                if ptr and ptr not in seen:
+                    seen[ptr] = st.nbytes()
+            except Exception:  # sparse, fake or other exotic tensors
+                continue
+    return sum(seen.values())
+
+
+class Reader:
+    kind = "none"
+
+    def allocated(self) -> int | None:
+        return None
+
+    def reserved(self) -> int | None:
+        return None
+
+    def peak(self) -> int | None:
+        """Peak allocated since the last ``reset_peak``."""
+        return None
+
+    def reset_peak(self) -> None:
+        pass
+
+    def anchor(self) -> None:
+        """Re-measure any baseline (CPU); called when training starts and after step 1."""
+
+    def extra(self) -> dict[str, float]:
+        """Further readings in bytes or plain numbers, keyed by metric name (NVML, RSS)."""
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class CudaReader(Reader):
+    kind = "cuda"
+
+    def __init__(self, index: int | None):
+        self.index = torch.cuda.current_device() if index is None else index
+        self._nvml: Any = None
+        self._handle: Any = None
+        self._nvml_failed = False
+
+    def allocated(self) -> int:
+        return int(torch.cuda.memory_allocated(self.index))
+
+    def reserved(self) -> int:
+        return int(torch.cuda.memory_reserved(self.index))
+
+    def peak(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.index))
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.index)
+
+    def open_nvml(self) -> bool:
+        """Start NVML for this device; False (with one warning) where it is missing or fails."""
+        try:
+            import pynvml  # nvidia-ml-py
+
+            from .._device import _nvml_handle
+
+            pynvml.nvmlInit()
+            self._handle = _nvml_handle(pynvml, self.index)
+            self._nvml = pynvml
+            return True
+        except ImportError:
+            return False
+        except Exception as exc:
+            logger.warning("NVML unavailable (%s); memory/nvml_used_gib and memory/gpu_util "
+                           "will not be logged", exc)
+            return False
+
+    def extra(self) -> dict[str, float]:
+        if self._nvml is None or self._nvml_failed:
+            return {}
+        try:
+            used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used
+            util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
+            return {"nvml_used": float(used), "gpu_util": float(util)}
+        except Exception as exc:
+            self._nvml_failed = True
+            logger.warning("NVML query failed (%s); NVML readings stop here", exc)
+            return {}
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:
+                pass
+            self._nvml = None
+
+
+class CpuReader(Reader):
+    kind = "cpu"
+
+    def __init__(self):
+        self.baseline = 0  # RSS bytes that are not tensors
+        self.can_reset = True
+
+    def anchor(self) -> None:
+        gc.collect()
+        self.baseline = max(0, _rss.current_rss() - alive_cpu_tensor_bytes())
+
+    def allocated(self) -> int:
+        return max(0, _rss.current_rss() - self.baseline)
+
+    def reserved(self) -> int:
+        return self.allocated()
+
+    def peak(self) -> int | None:
+        hwm = _rss.peak_rss()
+        return None if hwm is None else max(0, hwm - self.baseline)
+
+    def reset_peak(self) -> None:
+        if self.can_reset and not _rss.reset_peak_rss():
+            self.can_reset = False
+            logger.warning("cannot reset the peak RSS (/proc/self/clear_refs); "
+                           "memory/peak_* are peaks since the process started")
+
+    def extra(self) -> dict[str, float]:
+        return {"rss": float(_rss.current_rss())}
+
+
+class MpsReader(Reader):
+    kind = "mps"
+
+    def __init__(self):
+        self._peak = 0
+
+    def allocated(self) -> int:
+        a = int(torch.mps.current_allocated_memory())
+        self._peak = max(self._peak, a)
+        return a
+
+    def reserved(self) -> int:
+        return int(torch.mps.driver_allocated_memory())
+
+    def peak(self) -> int:
+        return max(self._peak, self.allocated())
+
+    def reset_peak(self) -> None:
+        self._peak = 0
+
+
+def make_reader(device: torch.device) -> Reader:
+    if device.type == "cuda":
+        return CudaReader(device.index)
+    if device.type == "mps":
+        return MpsReader()
+    return CpuReader()

@@ -1,0 +1,289 @@
+"""OOM recovery through the real Trainer on CPU: injected OOMs (forward, backward, optimizer step).
+
+The reference is an uninterrupted run with the same effective batch. Padded variable-length
+batches make the per-token loss normalisation across accumulation matter; float64 and no
+dropout make the comparison tight.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+from hf_memkit import _oom
+from hf_memkit._callbacks._readers import alive_cpu_tensor_bytes
+from hf_memkit._synthetic import SyntheticTextDataset, tiny_llama_config
+from hf_memkit.callbacks import OOMGuardTrainer, OOMRecoveryError, is_oom_error
+
+MBS, GA, STEPS = 4, 2, 3
+OOM_TEXT = "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.15 GiB total capacity)"
+
+
+def pad_collate(items):
+    n = max(len(x["input_ids"]) for x in items)
+
+    def pad(key, value):
+        return torch.stack([torch.nn.functional.pad(x[key], (0, n - len(x[key])), value=value)
+                            for x in items])
+
+    return {"input_ids": pad("input_ids", 0), "attention_mask": pad("attention_mask", 0),
+            "labels": pad("labels", -100), "sample_id": torch.stack([x["sample_id"] for x in items])}
+
+
+@pytest.fixture(scope="module")
+def base_model():
+    torch.manual_seed(0)
+    cfg = tiny_llama_config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+    return LlamaForCausalLM(cfg).double()
+
+
+DATA = SyntheticTextDataset(vocab_size=64, seq_len=16, num_samples=MBS * GA * STEPS,
+                            variable_length=True, with_ids=True, learnable=False)
+
+
+class _Recorder:
+    """compute_loss records the sample ids whose loss went into this optimizer step's gradients.
+
+    The guard's documented contract: a recovery drops the step's gradients and replays the step,
+    so ids recorded before a recovery in the same step are discarded.
+    """
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        ids = inputs.pop("sample_id").tolist()
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                   num_items_in_batch=num_items_in_batch)
+        step = self.state.global_step + 1
+        n_rec = len(getattr(self, "oom_recoveries", []))
+        if getattr(self, "_rec_count", 0) != n_rec:
+            self._rec_count = n_rec
+            self.seen[step] = []
+        self.seen.setdefault(step, []).extend(ids)
+        return out
+
+
+class RefTrainer(_Recorder, Trainer):
+    pass
+
+
+class GuardTrainer(_Recorder, OOMGuardTrainer):
+    pass
+
+
+class MemoryAtStepEnd(TrainerCallback):
+    """Tensor bytes alive after each step, relative to train begin (other runs' tensors cancel)."""
+
+    def __init__(self):
+        self.bytes = {}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.begin = alive_cpu_tensor_bytes()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.bytes[state.global_step] = alive_cpu_tensor_bytes() - self.begin
+
+
+def run(cls, model, tmp_path, *, callbacks=(), accepts_loss_kwargs=True, setup=None, **kw):
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=MBS,
+        gradient_accumulation_steps=GA, learning_rate=1e-2, lr_scheduler_type="linear",
+        warmup_steps=1, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+        disable_tqdm=True, dataloader_num_workers=0, seed=7, remove_unused_columns=False)
+    mem = MemoryAtStepEnd()
+    trainer = cls(model=model, args=args, train_dataset=DATA, data_collator=pad_collate,
+                  callbacks=[mem, *callbacks], **kw)
+    trainer.seen = {}
+    trainer.model_accepts_loss_kwargs = accepts_loss_kwargs
+    if setup:
+        setup(trainer)
+    trainer.train()
+    return trainer, mem
+
+
+def oom():
+    return torch.OutOfMemoryError(OOM_TEXT)
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _RaiseInBackward.armed:
+            _RaiseInBackward.armed = False
+            raise oom()
+        return grad
+
+
+def inject_forward(trainer):
+    """From step 2 on, a forward of more than 2 samples runs out of memory (a real limit)."""
+
+    def hook(module, args):
+        if trainer.state.global_step >= 1 and args[0].shape[0] > 2:
+            raise oom()
+
+    trainer.model.model.layers[0].register_forward_pre_hook(hook)
+
+
+def inject_backward(trainer):
+    """Once, the backward of the 2nd micro-batch of step 2 runs out of memory (half-way)."""
+    calls = {"n": 0}
+
+    def hook(module, args, output):
+        if not module.training:
+            return output
+        if trainer.state.global_step == 1:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                _RaiseInBackward.armed = True
+        hidden = output[0] if isinstance(output, tuple) else output
+        hidden = _RaiseInBackward.apply(hidden)
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+    trainer.model.model.layers[1].register_forward_hook(hook)
+
+
+class OptimizerOOMOnce(TrainerCallback):
+    """The first optimizer step runs out of memory once, before it changes anything."""
+
+    def __init__(self, trainer_ref):
+        self.trainer_ref = trainer_ref
+        self.done = False
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.done:
+            return
+        self.done = True
+        opt = self.trainer_ref[0].optimizer
+        raw = getattr(opt, "optimizer", opt)
+        real = raw.step
+
+        def step(*a, **k):
+            raw.step = real
+            raise oom()
+
+        raw.step = step
+
+
+def assert_same_run(ref, guarded, ref_mem, g_mem):
+    # every sample exactly once, the same samples in each optimizer step (effective batch kept)
+    all_ids = sorted(i for ids in guarded.seen.values() for i in ids)
+    assert all_ids == list(range(len(DATA)))
+    assert {k: sorted(v) for k, v in guarded.seen.items()} == \
+        {k: sorted(v) for k, v in ref.seen.items()}
+    assert all(len(v) == MBS * GA for v in guarded.seen.values())
+    assert guarded.state.global_step == ref.state.global_step == STEPS
+    # learning-rate schedule unchanged
+    lr = [h["learning_rate"] for h in ref.state.log_history if "loss" in h]
+    assert [h["learning_rate"] for h in guarded.state.log_history if "loss" in h] == lr
+    # same weights (transformers' causal-LM loss computes in float32 even for a float64 model,
+    # so a mean loss split into chunks differs in the 7th digit; the num_items path agrees to 1e-11)
+    for (n, p), (_, q) in zip(ref.model.named_parameters(), guarded.model.named_parameters(),
+                                  strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-8, msg=lambda m, n=n: f"{n}: {m}")
+    # memory back to the uninterrupted run's level after each step
+    assert g_mem.bytes == ref_mem.bytes
+    # the logged training loss is unchanged too
+    losses = [h["loss"] for h in ref.state.log_history if "loss" in h]
+    assert [h["loss"] for h in guarded.state.log_history if "loss" in h] == \
+        pytest.approx(losses, rel=1e-6)   # the Trainer sums logged losses in float32
+
+
+@pytest.mark.parametrize("accepts_loss_kwargs", [True, False], ids=["num_items", "mean_loss"])
+def test_forward_oom_recovers_and_matches(base_model, tmp_path, accepts_loss_kwargs):
+    ref, ref_mem = run(RefTrainer, copy.deepcopy(base_model), tmp_path / "ref",
+                       accepts_loss_kwargs=accepts_loss_kwargs)
+    g, g_mem = run(GuardTrainer, copy.deepcopy(base_model), tmp_path / "g",
+                   accepts_loss_kwargs=accepts_loss_kwargs, setup=inject_forward)
+    assert len(g.oom_recoveries) == 1               # later steps keep the smaller chunk
+    rec = g.oom_recoveries[0]
+    assert (rec.step, rec.where, rec.micro_batch_size, rec.gradient_accumulation_steps,
+            rec.effective_batch_size) == (2, "forward/backward", 2, 4, MBS * GA)
+    assert "CUDA out of memory" in rec.cause
+    assert g.args.per_device_train_batch_size == MBS and g.args.gradient_accumulation_steps == GA
+    logged = [h for h in g.state.log_history if "oom/recoveries" in h]
+    assert logged and logged[0]["oom/micro_batch_size"] == 2
+    assert_same_run(ref, g, ref_mem, g_mem)
+
+
+def test_backward_oom_midway_replays_the_step(base_model, tmp_path):
+    ref, ref_mem = run(RefTrainer, copy.deepcopy(base_model), tmp_path / "ref")
+    g, g_mem = run(GuardTrainer, copy.deepcopy(base_model), tmp_path / "g", setup=inject_backward)
+    assert [(r.step, r.where) for r in g.oom_recoveries] == [(2, "forward/backward")]
+    assert_same_run(ref, g, ref_mem, g_mem)
+
+
+def test_optimizer_step_oom_retries(base_model, tmp_path):
+    holder = []
+    ref, ref_mem = run(RefTrainer, copy.deepcopy(base_model), tmp_path / "ref")
+    g, g_mem = run(GuardTrainer, copy.deepcopy(base_model), tmp_path / "g",
+                   callbacks=[OptimizerOOMOnce(holder)], setup=holder.append)
+    assert [(r.step, r.where) for r in g.oom_recoveries] == [(1, "optimizer step")]
+    assert_same_run(ref, g, ref_mem, g_mem)
+
+
+def test_bounded_retries_name_setups_and_snapshot(base_model, tmp_path, monkeypatch):
+    # a fake CUDA allocator history: the guard dumps a snapshot while the OOM's memory is held
+    dumped = []
+
+    def fake_dump(path):
+        dumped.append(path)
+        with open(path, "wb") as f:
+            f.write(b"snapshot")
+
+    monkeypatch.setattr(_oom, "_recording", True)
+    monkeypatch.setattr(_oom, "_snapshots", [])
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", fake_dump)
+
+    def always(trainer):
+        def hook(module, args):
+            if args[0].shape[0] > 1:
+                raise RuntimeError(OOM_TEXT)   # CUDA's wording on a plain RuntimeError counts
+
+        trainer.model.model.layers[0].register_forward_pre_hook(hook)
+
+    with pytest.raises(OOMRecoveryError) as err:
+        run(GuardTrainer, copy.deepcopy(base_model), tmp_path, setup=always,
+            max_oom_recoveries=1)
+    msg = str(err.value)
+    assert "max_oom_recoveries=1" in msg
+    assert "micro-batch 4 x accumulation 2 -> micro-batch 2 x accumulation 4" in msg
+    assert dumped and dumped[-1] in msg and "memory_viz" in msg
+    assert all(p.startswith(str(tmp_path)) for p in dumped)
+
+
+def test_unsplittable_micro_batch_raises(base_model, tmp_path):
+    def always(trainer):
+        def hook(module, args):
+            raise oom()
+
+        trainer.model.model.layers[0].register_forward_pre_hook(hook)
+
+    with pytest.raises(OOMRecoveryError, match="cannot be split further"):
+        run(GuardTrainer, copy.deepcopy(base_model), tmp_path, setup=always,
+            max_oom_recoveries=10)
+
+
+def test_other_errors_pass_through(base_model, tmp_path):
+    def broken(trainer):
+        def hook(module, args):
+            raise RuntimeError("shape mismatch")
+
+        trainer.model.model.layers[0].register_forward_pre_hook(hook)
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        run(GuardTrainer, copy.deepcopy(base_model), tmp_path, setup=broken)
+
+
+def test_is_oom_error():
+    assert is_oom_error(torch.OutOfMemoryError("x"))
+    assert is_oom_error(RuntimeError(OOM_TEXT))
+    assert not is_oom_error(RuntimeError("expected scalar type Float"))
+    assert not is_oom_error(ValueError(OOM_TEXT))
