@@ -91,6 +91,11 @@ TOKENS_HALF_EFF = 512
 # (NVIDIA "Matrix multiplication background" guide): others pay this penalty.
 MISALIGNED_PENALTY = 1.04
 PER_MICRO_STEP_OVERHEAD_S = 2e-3     # launch/python overhead of one forward+backward
+# Eager attention materialises the (heads x seq x seq) score matrix per layer: written by QK^T,
+# read and written by softmax, read by PV in the forward, and about twice that traffic in the
+# backward: ~8 passes over it, memory-bound. Fused SDPA/flash kernels keep it on chip
+# (Dao et al. 2022, FlashAttention, Sec. 3).
+EAGER_SCORE_PASSES = 8
 
 
 def _peak_flops(dev: DeviceInfo, precision: str, tf32: bool) -> float:
@@ -105,7 +110,7 @@ def _peak_flops(dev: DeviceInfo, precision: str, tf32: bool) -> float:
 
 
 def _cost(c: Candidate, *, n_params: int, n_trainable: int, layers: int, hidden: int,
-          seq_len: int, target: int, dev: DeviceInfo) -> float:
+          seq_len: int, target: int, dev: DeviceInfo, heads: int = 1) -> float:
     """Predicted seconds per sample (only ratios between candidates are used)."""
     attn_flops = 12 * layers * hidden * seq_len
     if c.method == "full":
@@ -124,6 +129,9 @@ def _cost(c: Candidate, *, n_params: int, n_trainable: int, layers: int, hidden:
     compute = flops * seq_len / (_peak_flops(dev, c.precision, True) * eff)
     overhead = PER_MICRO_STEP_OVERHEAD_S / c.micro_batch
     bw = dev.memory_bandwidth or 5e10
+    if c.attn == "eager":
+        elem = 4 if c.precision == "fp32" else 2
+        compute += EAGER_SCORE_PASSES * layers * heads * seq_len * seq_len * elem / bw
     optim = OPTIM_STEP_COST.get(c.optim, 1.5) * OPTIM_BYTES_PER_PARAM * n_trainable / bw / target
     return compute + overhead + optim
 
@@ -546,7 +554,8 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
         om = get_optimizer_profile(c.optim).estimate(trainable, OptimizerContext(dev.kind))
         states = weights + sum(p.nbytes for p in trainable) + om.state
         c.rel_time = _cost(c, n_params=n_params, n_trainable=n_trainable_of[c.method],
-                           layers=layers, hidden=hidden, seq_len=seq_len, target=per_rank, dev=dev)
+                           layers=layers, hidden=hidden, seq_len=seq_len, target=per_rank, dev=dev,
+                           heads=facts["num_attention_heads"] or 1)
         if states > budget:
             c.reason = (f"weights + gradients + optimizer state alone need "
                         f"{format_bytes(states)} > budget {format_bytes(budget)}")
