@@ -38,7 +38,7 @@ def spearman(xs, ys) -> float:
         return r
     rx, ry = ranks(xs), ranks(ys)
     n = len(xs)
-    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
+    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry, strict=True)) / (n * (n * n - 1))
 
 
 def predicted_time(model: str, gpu: str, *, batch: int, seq: int, attn: str = "sdpa",
