@@ -16,7 +16,6 @@ planner benchmark. Method:
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import subprocess
@@ -24,6 +23,8 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+from ._rss import alive_cpu_tensor_bytes
 
 _MARK = "@@HF_MEMKIT_RESULT "
 
@@ -54,26 +55,6 @@ def _status_bytes(key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     raise KeyError(key)
-
-
-def _alive_cpu_tensor_bytes() -> int:
-    """Bytes of the distinct CPU tensor storages reachable from Python."""
-    import torch
-
-    gc.collect()
-    seen: dict[int, int] = {}
-    for o in gc.get_objects():
-        if isinstance(o, torch.Tensor):
-            try:
-                if o.device.type != "cpu" or o.is_meta:
-                    continue
-                st = o.untyped_storage()
-                ptr = st.data_ptr()
-                if ptr and ptr not in seen:
-                    seen[ptr] = st.nbytes()
-            except Exception:  # sparse, fake or other exotic tensors
-                continue
-    return sum(seen.values())
 
 
 def build_model(spec: dict[str, Any], workdir: str):
@@ -156,7 +137,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
         class Window(transformers.TrainerCallback):
             def on_step_begin(self, args, state, control, **kw):
-                alive = _alive_cpu_tensor_bytes()
+                alive = alive_cpu_tensor_bytes()
                 if with_mt:
                     from ._trace import _new_tracker
 

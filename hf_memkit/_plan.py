@@ -367,7 +367,7 @@ def _budget(dev: DeviceInfo, headroom: float, max_memory: Any, probed: bool) -> 
     if max_memory is not None:
         return parse_bytes(max_memory)
     budget = int(dev.total_memory * (1 - headroom))
-    if probed and dev.free_memory is not None and dev.kind == "cuda":
+    if probed and dev.free_memory is not None:  # this process's device: what is free now
         budget = min(budget, dev.free_memory)
     return budget
 

@@ -7,7 +7,9 @@ mapping, so resident-set growth tracks live tensor bytes. Writing ``5`` to
 
 from __future__ import annotations
 
+import gc
 import os
+import warnings
 
 import psutil
 
@@ -64,3 +66,27 @@ def set_mmap_threshold(threshold: int = 65536) -> bool:
         return bool(libc.mallopt(m_mmap_threshold, int(threshold)))
     except (OSError, AttributeError):
         return False
+
+
+def alive_cpu_tensor_bytes(*, collect: bool = True) -> int:
+    """Bytes of the distinct CPU tensor storages reachable from Python (a gc walk: slow, rare)."""
+    import torch
+
+    if collect:
+        gc.collect()
+    seen: dict[int, int] = {}
+    with warnings.catch_warnings():  # deprecated torch shims and fake tensors warn when probed
+        warnings.simplefilter("ignore")
+        for o in gc.get_objects():
+            if not isinstance(o, torch.Tensor):
+                continue
+            try:
+                if o.device.type != "cpu" or o.is_meta:
+                    continue
+                st = o.untyped_storage()
+                ptr = st.data_ptr()
+                if ptr and ptr not in seen:
+                    seen[ptr] = st.nbytes()
+            except Exception:  # sparse, fake or other exotic tensors
+                continue
+    return sum(seen.values())

@@ -14,7 +14,7 @@ import torch
 from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from hf_memkit import _oom
-from hf_memkit._callbacks._readers import alive_cpu_tensor_bytes
+from hf_memkit._rss import alive_cpu_tensor_bytes
 from hf_memkit._synthetic import SyntheticTextDataset, tiny_llama_config
 from hf_memkit.callbacks import OOMGuardTrainer, OOMRecoveryError, is_oom_error
 
@@ -80,10 +80,10 @@ class MemoryAtStepEnd(TrainerCallback):
         self.bytes = {}
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.begin = alive_cpu_tensor_bytes()
+        self.begin = alive_cpu_tensor_bytes(collect=False)
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.bytes[state.global_step] = alive_cpu_tensor_bytes() - self.begin
+        self.bytes[state.global_step] = alive_cpu_tensor_bytes(collect=False) - self.begin
 
 
 def run(cls, model, tmp_path, *, callbacks=(), accepts_loss_kwargs=True, setup=None, **kw):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import warnings
 from typing import Any
 
 import torch
@@ -25,26 +24,6 @@ import torch
 from .. import _rss
 
 logger = logging.getLogger(__name__)
-
-
-def alive_cpu_tensor_bytes() -> int:
-    """Bytes of the distinct CPU tensor storages reachable from Python (a gc walk: slow, rare)."""
-    seen: dict[int, int] = {}
-    with warnings.catch_warnings():  # deprecated torch shims and fake tensors warn when probed
-        warnings.simplefilter("ignore")
-        for o in gc.get_objects():
-            if not isinstance(o, torch.Tensor):
-                continue
-            try:
-                if o.device.type != "cpu" or o.is_meta:
-                    continue
-                st = o.untyped_storage()
-                ptr = st.data_ptr()
-                if ptr and ptr not in seen:
-                    seen[ptr] = st.nbytes()
-            except Exception:  # sparse, fake or other exotic tensors
-                continue
-    return sum(seen.values())
 
 
 class Reader:
@@ -143,7 +122,7 @@ class CpuReader(Reader):
 
     def anchor(self) -> None:
         gc.collect()
-        self.baseline = max(0, _rss.current_rss() - alive_cpu_tensor_bytes())
+        self.baseline = max(0, _rss.current_rss() - _rss.alive_cpu_tensor_bytes(collect=False))
 
     def allocated(self) -> int:
         return max(0, _rss.current_rss() - self.baseline)
