@@ -78,6 +78,11 @@ class Candidate:
 # measured QLoRA throughput is ~0.7x LoRA's (Dettmers et al. 2023, Table/throughput notes), so
 # its matmul work is scaled by 1/0.7.
 QLORA_SLOWDOWN = 1 / 0.7
+# LoRA on an LLM.int8 base: int8 matmuls with outlier decomposition. No throughput figure in
+# shared/anchors; assumed between LoRA and QLoRA so the ladder orders them by memory.
+INT8_SLOWDOWN = 1 / 0.8
+ADAPTER_METHODS = ("lora", "lora-8bit", "qlora")   # candidate methods that train adapters
+KBIT_METHODS = ("lora-8bit", "qlora")              # a quantized, frozen base
 # Optimizer step time relative to fused AdamW (memory-bound: bytes moved per parameter).
 OPTIM_STEP_COST = {"adamw_torch_fused": 1.0, "adamw_torch": 1.6, "adamw_bnb_8bit": 1.2,
                    "paged_adamw_8bit": 1.5, "adafactor": 2.0, "sgd": 0.5}
@@ -121,6 +126,8 @@ def _cost(c: Candidate, *, n_params: int, n_trainable: int, layers: int, hidden:
         flops += 2 * n_params + attn_flops / 3
     if c.method == "qlora":
         flops *= QLORA_SLOWDOWN
+    elif c.method == "lora-8bit":
+        flops *= INT8_SLOWDOWN
     tokens = c.micro_batch * seq_len
     eff = tokens / (tokens + TOKENS_HALF_EFF)
     align = 64 if dev.compute_capability == (8, 0) else 8
@@ -210,10 +217,10 @@ class Plan:
             except Exception as exc:  # the loaded model may not support it: keep its own
                 warnings.warn(f"kept the model's attention ({exc})", stacklevel=2)
         ckpt = self.chosen.checkpointing
-        if self.chosen.method in ("lora", "qlora"):
+        if self.chosen.method in ADAPTER_METHODS:
             import peft
 
-            if self.chosen.method == "qlora":
+            if self.chosen.method in KBIT_METHODS:
                 model = peft.prepare_model_for_kbit_training(
                     model, use_gradient_checkpointing=ckpt,
                     gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -460,10 +467,11 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
         notes.append(f"{ranks} data-parallel ranks (DDP): each rank holds a full replica; "
                      "sharding (FSDP/ZeRO) and DDP bucket memory come with multi-GPU support")
 
-    methods = ["full", "lora", "qlora"] if method == "auto" else [method]
-    if method == "auto":
-        methods = [m for m in methods if m == "full" or is_peft_available()]
-        methods = [m for m in methods if m != "qlora" or is_bitsandbytes_available()]
+    # the ladder: full, LoRA, LoRA on an 8-bit base, QLoRA; method="lora" covers both LoRA rungs
+    methods = {"auto": ["full", "lora", "lora-8bit", "qlora"], "full": ["full"],
+               "lora": ["lora", "lora-8bit"], "qlora": ["qlora"]}[method]
+    methods = [m for m in methods if m == "full" or is_peft_available()]
+    methods = [m for m in methods if m not in KBIT_METHODS or is_bitsandbytes_available()]
     per_rank = target_batch_size // ranks
     micro_batches = [search["micro_batch"]] if "micro_batch" in search else _divisors(per_rank)
     if "per_device_train_batch_size" in pins:
@@ -505,10 +513,14 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
             attn = _attention(base_spec, dev, precision)
             attn_choice[precision] = attn
             peft_cfg = quant = None
-            if meth in ("lora", "qlora"):
+            if meth in ADAPTER_METHODS:
                 import peft
 
                 peft_cfg = peft.LoraConfig(**LORA_DEFAULTS, task_type=_peft_task(base_spec.task))
+            if meth == "lora-8bit":
+                from transformers import BitsAndBytesConfig
+
+                quant = BitsAndBytesConfig(load_in_8bit=True)
             if meth == "qlora":
                 from transformers import BitsAndBytesConfig
 
@@ -598,6 +610,9 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
     eval_batch = _eval_batch(spec, setup_of(chosen), dev, seq_len, budget, cache)
     attn, attn_why = attn_choice[chosen.precision]
     notes.append(f"attention: {attn} ({attn_why})")
+    if chosen.method == "lora-8bit":
+        notes.append("LoRA on an 8-bit (LLM.int8) base: activations are traced with the base as "
+                     "frozen linears; the int8 kernels' own temporaries are not modelled")
     if chosen.precision == "pure-bf16":
         notes.append("pure bf16: weights, gradients and optimizer state in bf16 with no fp32 "
                      "master copy (as torchtune defaults to); saves memory but changes numerics")
@@ -607,7 +622,7 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
     ta = _training_args(chosen, pins, dev, eval_batch, ranks)
     mk = {"attn_implementation": attn}
     load_dtype = _load_dtype(chosen.method, chosen.precision, dev)
-    if chosen.method == "qlora":  # loaded in half precision; prepare_model_for_kbit_training
+    if chosen.method in KBIT_METHODS:  # loaded in half precision; prepare_model_for_kbit_training
         load_dtype = torch.bfloat16 if dev.supports_bf16 else torch.float16  # upcasts the rest
     if load_dtype is not None:
         mk["dtype"] = load_dtype

@@ -256,3 +256,23 @@ def test_auto_training_args(tmp_path):
 def test_explain_mentions_choice_and_rejections():
     text = plan(max_memory=int(_full_need() * 0.5)).explain()
     assert "CHOSEN" in text and "budget" in text and "attention" in text
+
+
+@pytest.mark.slow
+def test_lora_ladder_reaches_the_8bit_base_before_giving_up():
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    start = plan(method="lora", max_memory=64 * GiB)
+    assert start.chosen.method == "lora"
+    # the smallest LoRA (full-precision base) setup, then budgets just below it
+    need = min(c.device_used for c in start.candidates if c.method == "lora" and c.estimate)
+    lora_min = mk.estimate_memory(TINY, dict(per_device_train_batch_size=1,
+                                             gradient_accumulation_steps=TARGET,
+                                             activation_checkpointing=True, optim="adafactor"),
+                                  seq_len=SEQ, device="cpu",
+                                  peft_config=start.peft_config).device_used
+    assert lora_min <= need
+    p = plan(method="lora", max_memory=lora_min - 1)
+    assert p.chosen.method == "lora-8bit"
+    assert p.model_kwargs["quantization_config"].load_in_8bit
+    assert p.chosen.device_used < lora_min
