@@ -131,7 +131,7 @@ def _quant_from(qc: Any) -> tuple[int | None, bool, torch.dtype | None]:
 
 def _resolve_model(model: Any, *, task: str | None, dtype: torch.dtype | str | None,
                    attn_implementation: str | None, peft_config: Any,
-                   quantization_config: Any) -> _ModelSpec:
+                   quantization_config: Any, meta_cache: dict | None = None) -> _ModelSpec:
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.replace("torch.", ""), None) if dtype != "auto" else None
     quant_bits, double_quant, compute_dtype = _quant_from(quantization_config)
@@ -171,7 +171,13 @@ def _resolve_model(model: Any, *, task: str | None, dtype: torch.dtype | str | N
         raise HfMemkitError(
             f"a {quant_bits}-bit base cannot be trained directly; give `peft_config` "
             "(a peft.LoraConfig) for QLoRA, or drop quantization_config")
-    meta = _meta_model(model_cls, config, dtype, attn_implementation, lora_cfg)
+    key = (model_cls, id(config), dtype, attn_implementation, repr(lora_cfg))
+    if meta_cache is not None and key in meta_cache:
+        meta = meta_cache[key]  # the planner's LoRA rungs share one meta model
+    else:
+        meta = _meta_model(model_cls, config, dtype, attn_implementation, lora_cfg)
+        if meta_cache is not None:
+            meta_cache[key] = meta
     lora = LoraSpec(lora_cfg, quantized_4bit=quant_bits == 4,
                     compute_dtype=compute_dtype or torch.bfloat16) if lora_cfg is not None else None
     return _ModelSpec(config, model_cls, task, dtype, attn_implementation, lora, quant_bits,

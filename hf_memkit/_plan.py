@@ -484,6 +484,7 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
     cache = TraceCache()
     specs: dict[tuple[str, str], Any] = {}
     candidates: list[Candidate] = []
+    meta_cache: dict = {}
     base_spec = _resolve_model(model, task=task, dtype=None, attn_implementation=None,
                                peft_config=None, quantization_config=None)
     supports_ckpt = base_spec.supports_checkpointing
@@ -529,7 +530,8 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
                     bnb_4bit_compute_dtype=torch.bfloat16 if dev.supports_bf16 else torch.float16)
             specs[key] = (_resolve_model(model, task=task, dtype=dtype,
                                          attn_implementation=attn[0], peft_config=peft_cfg,
-                                         quantization_config=quant), peft_cfg, quant)
+                                         quantization_config=quant, meta_cache=meta_cache),
+                          peft_cfg, quant)
         return specs[key]
 
     for meth in methods:
