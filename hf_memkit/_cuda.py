@@ -1,5 +1,6 @@
 """What CUDA adds on top of live tensor bytes: allocator rounding and segments, the CUDA context,
-cuBLAS workspaces, and which SDPA kernel runs.
+and cuBLAS workspaces. (No SDPA kernel term: the CPU trace runs torch's flash kernel, which saves
+what CUDA's flash/memory-efficient kernels save, the output and a log-sum-exp per row.)
 
 Constants marked FIT are calibrated on the declared fit half of ``shared/anchors`` (see
 ``bench/estimator_gpu_anchors.py``, which reports the other half separately); the rest cite the
@@ -80,23 +81,3 @@ def cublas_workspace(compute_capability: tuple[int, int] | None) -> int:
     per = (32 * MiB + 128 * 1024) if compute_capability and compute_capability >= (9, 0) else (
         8 * MiB + 128 * 1024)
     return 2 * per
-
-
-def sdpa_kernel(compute_capability: tuple[int, int] | None, head_dim: int | None, dtype: str,
-                has_mask: bool) -> str:
-    """Which fused SDPA kernel torch picks on CUDA (torch/csrc/.../sdp_utils.cpp priority order:
-    flash, then memory-efficient, then math).
-
-    flash: sm_80+, fp16/bf16, head_dim <= 256, no arbitrary mask.
-    memory-efficient: sm_50+, any float dtype, masks allowed, head_dim <= 256 (fwd+bwd).
-    math: everything else (materialises the attention matrix).
-    Both fused kernels save only the output and a log-sum-exp per row for backward.
-    """
-    if compute_capability is None or head_dim is None:
-        return "math"
-    half = dtype in ("float16", "bfloat16")
-    if compute_capability >= (8, 0) and half and head_dim <= 256 and not has_mask:
-        return "flash"
-    if compute_capability >= (5, 0) and head_dim <= 256:
-        return "efficient"
-    return "math"

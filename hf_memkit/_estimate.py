@@ -29,7 +29,7 @@ from ._cuda import CALIBRATION, cublas_workspace
 from ._device import DeviceInfo, resolve_device
 from ._errors import HfMemkitError
 from ._optimizers import OptimizerContext, ParamInfo, get_optimizer_profile
-from ._profile import build_model, logical_numel, normalize_task, unwrap_model
+from ._profile import build_model, logical_numel, normalize_task, task_of_class, unwrap_model
 from ._setup import Sharding, TrainingSetup, normalize_args
 from ._trace import LoraSpec, layer_count, quantizable_linears, trace_step, with_layers
 from ._units import format_bytes
@@ -139,7 +139,7 @@ def _resolve_model(model: Any, *, task: str | None, dtype: torch.dtype | str | N
     if isinstance(model, torch.nn.Module):
         base, is_peft = unwrap_model(model)
         config = base.config
-        task = normalize_task(task, config) if task else _task_for_class(type(base), config)
+        task = normalize_task(task, config) if task else task_of_class(type(base), config)
         floats = [p.dtype for p in base.parameters() if p.is_floating_point()
                   and type(p).__name__ not in ("Params4bit", "Int8Params")]
         dtype = dtype or (max(set(floats), key=floats.count) if floats else torch.float32)
@@ -183,14 +183,6 @@ def _resolve_model(model: Any, *, task: str | None, dtype: torch.dtype | str | N
     return _ModelSpec(config, model_cls, task, dtype, attn_implementation, lora, quant_bits,
                       double_quant, meta, bool(getattr(model_cls, "supports_gradient_checkpointing",
                                                        False)))
-
-
-def _task_for_class(cls: type, config: PretrainedConfig) -> str:
-    from ._profile import infer_task
-
-    return infer_task(type("C", (), {"architectures": [cls.__name__],
-                                     "is_encoder_decoder": getattr(config, "is_encoder_decoder",
-                                                                   False)})())
 
 
 def _meta_model(model_cls: type, config: PretrainedConfig, dtype: torch.dtype,

@@ -175,7 +175,7 @@ def profile_model(model_or_config_or_name: Any, *, task: str | None = None) -> M
                 f"`{type(base).__name__}` has no `.config`; profile_model expects a transformers "
                 "PreTrainedModel (or a peft model around one)"
             )
-        task = normalize_task(task, config) if task else _task_of(base)
+        task = normalize_task(task, config) if task else task_of_class(type(base), config)
     else:
         config = _to_config(model_or_config_or_name)
         task = normalize_task(task, config)
@@ -184,10 +184,10 @@ def profile_model(model_or_config_or_name: Any, *, task: str | None = None) -> M
     return _profile(model, base, config, task, is_peft)
 
 
-def _task_of(model: torch.nn.Module) -> str:
-    name = type(model).__name__
-    return infer_task(type("C", (), {"architectures": [name],
-                                     "is_encoder_decoder": getattr(model.config, "is_encoder_decoder",
+def task_of_class(cls: type, config: PretrainedConfig) -> str:
+    """The task of a loaded model, read from its class name (e.g. ...ForCausalLM)."""
+    return infer_task(type("C", (), {"architectures": [cls.__name__],
+                                     "is_encoder_decoder": getattr(config, "is_encoder_decoder",
                                                                    False)})())
 
 

@@ -77,9 +77,11 @@ def profile_table(p: ModelProfile) -> Table:
 
 
 def render_to_text(*renderables, width: int = 100) -> str:
+    import io
+
     from rich.console import Console
 
-    console = Console(width=width, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+    console = Console(width=width, record=True, file=io.StringIO())
     for r in renderables:
         console.print(r)
     return console.export_text()

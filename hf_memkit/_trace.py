@@ -137,10 +137,9 @@ def _wrap_amp(model: torch.nn.Module, amp: str) -> None:
     model.forward = MethodType(convert_outputs_to_fp32(forward), model)
 
 
-def make_batch(model: torch.nn.Module, task: str, batch: int, seq_len: int, *,
+def make_batch(task: str, batch: int, seq_len: int, *,
                target_len: int | None = None, padded: bool = False) -> dict[str, torch.Tensor]:
     """One micro-batch as the default collators produce it (call inside the fake mode)."""
-    vocab = int(getattr(model.config.get_text_config(), "vocab_size", 0) or 2)
     ids = torch.zeros(batch, seq_len, dtype=torch.long)
     b: dict[str, torch.Tensor] = {"input_ids": ids}
     if padded:
@@ -157,7 +156,6 @@ def make_batch(model: torch.nn.Module, task: str, batch: int, seq_len: int, *,
     elif task == "question-answering":
         b["start_positions"] = torch.zeros(batch, dtype=torch.long)
         b["end_positions"] = torch.zeros(batch, dtype=torch.long)
-    del vocab
     return {k: v for k, v in b.items() if v is not None}
 
 
@@ -351,7 +349,7 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
         _wrap_amp(model, amp)
     n_micro = min(grad_accum, 2) if stage == "train" else 1
     with fm:
-        batches = [make_batch(base, task, micro_batch, seq_len, target_len=target_len,
+        batches = [make_batch(task, micro_batch, seq_len, target_len=target_len,
                               padded=padded) for _ in range(max(grad_accum, 1) if stage == "train"
                                                             else 1)]
         if loss == "logits_sum":
