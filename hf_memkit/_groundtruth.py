@@ -57,6 +57,27 @@ def _status_bytes(key: str) -> int:
     raise KeyError(key)
 
 
+def open_window(alive: int) -> dict[str, Any]:
+    """Open a measurement window: note ``VmRSS`` and the ``alive`` tensor bytes, reset ``VmHWM``.
+
+    ``alive`` is what :func:`alive_cpu_tensor_bytes` (plus any tensors only C++ holds) counts
+    just before; the window's peak is then ``VmHWM - VmRSS_open + alive`` (:func:`close_window`).
+    """
+    opened = {"alive": alive, "rss": _status_bytes("VmRSS")}
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    opened["t0"] = time.perf_counter()
+    return opened
+
+
+def close_window(opened: dict[str, Any]) -> dict[str, Any]:
+    """The window's ``peak`` tensor bytes, ``alive_open`` and wall ``seconds`` since it opened."""
+    seconds = time.perf_counter() - opened["t0"]
+    hwm = _status_bytes("VmHWM")
+    return {"alive_open": opened["alive"], "peak": hwm - opened["rss"] + opened["alive"],
+            "seconds": seconds}
+
+
 def build_model(spec: dict[str, Any], workdir: str):
     """The model of a spec, built for real (random init), LoRA/QLoRA applied as users do."""
     import torch
@@ -93,10 +114,10 @@ def build_model(spec: dict[str, Any], workdir: str):
     return model
 
 
-def _synthetic(spec: dict[str, Any], config: Any, n: int) -> list[dict[str, Any]]:
+def _synthetic(spec: dict[str, Any], config: Any, n: int, *, seed: int = 1) -> list[dict[str, Any]]:
     import torch
 
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     task, s = spec.get("task", "causal-lm"), spec["seq_len"]
     vocab = config.get_text_config().vocab_size
     out = []
@@ -144,16 +165,10 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
                     self.mt = _new_tracker(kw["model"], [])
                     self.mt.track_external(kw["optimizer"])
                     self.mt.__enter__()
-                self.open = {"alive": alive, "rss": _status_bytes("VmRSS")}
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-                self.t0 = time.perf_counter()
+                self.open = open_window(alive)
 
             def on_step_end(self, args, state, control, **kw):
-                seconds = time.perf_counter() - self.t0
-                hwm = _status_bytes("VmHWM")
-                rec = {"step": state.global_step, "alive_open": self.open["alive"],
-                       "peak": hwm - self.open["rss"] + self.open["alive"], "seconds": seconds}
+                rec = {"step": state.global_step, **close_window(self.open)}
                 if with_mt:
                     self.mt.__exit__(None, None, None)
                     snap = self.mt.get_tracker_snapshot("peak")[torch.device("cpu")]

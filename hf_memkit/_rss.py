@@ -69,24 +69,43 @@ def set_mmap_threshold(threshold: int = 65536) -> bool:
 
 
 def alive_cpu_tensor_bytes(*, collect: bool = True) -> int:
-    """Bytes of the distinct CPU tensor storages reachable from Python (a gc walk: slow, rare)."""
+    """Bytes of the distinct CPU tensor storages reachable from Python (a gc walk: slow, rare).
+
+    Wrapper tensor subclasses that own no storage of their own (``DTensor``: FSDP2's sharded
+    parameters, their gradients and optimizer states) count through their inner tensors, i.e.
+    the local shard this process holds, never the global shape.
+    """
     import torch
 
     if collect:
         gc.collect()
     seen: dict[int, int] = {}
+
+    def add(t: torch.Tensor, depth: int = 0) -> None:
+        if t.device.type != "cpu" or t.is_meta:
+            return
+        try:
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+        except Exception:  # a wrapper subclass (DTensor) has no storage: count its inner tensors
+            flatten = getattr(t, "__tensor_flatten__", None)
+            if flatten is None or depth > 4:
+                return
+            for name in flatten()[0]:
+                inner = getattr(t, name, None)
+                if isinstance(inner, torch.Tensor):
+                    add(inner, depth + 1)
+            return
+        if ptr and ptr not in seen:
+            seen[ptr] = st.nbytes()
+
     with warnings.catch_warnings():  # deprecated torch shims and fake tensors warn when probed
         warnings.simplefilter("ignore")
         for o in gc.get_objects():
             if not isinstance(o, torch.Tensor):
                 continue
             try:
-                if o.device.type != "cpu" or o.is_meta:
-                    continue
-                st = o.untyped_storage()
-                ptr = st.data_ptr()
-                if ptr and ptr not in seen:
-                    seen[ptr] = st.nbytes()
+                add(o)
             except Exception:  # sparse, fake or other exotic tensors
                 continue
     return sum(seen.values())

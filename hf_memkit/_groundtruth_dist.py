@@ -1,0 +1,436 @@
+"""An independent multi-process CPU measurement of per-rank peak tensor memory (DESIGN.md, issue 7).
+
+Never used by the estimator; it checks the per-rank (sharding) estimates. ``nproc`` ranks run on
+this machine under ``torchrun`` with the gloo backend, each started with
+``MALLOC_MMAP_THRESHOLD_=65536`` and ``OMP_NUM_THREADS=1``; each rank measures its own peak with
+the same window as :mod:`hf_memkit._groundtruth` (sum of the CPU tensor storages alive when the
+window opens, ``VmHWM`` reset through ``/proc/self/clear_refs``, peak ``VmHWM - VmRSS_open +
+alive_open``, steady steps ``>= 2``) and writes a JSON file that the parent gathers.
+
+Modes (``spec["mode"]``):
+
+``"ddp"``
+    The real ``transformers.Trainer`` (``use_cpu=True``, ``ddp_backend="gloo"``), which wraps
+    the model in ``DistributedDataParallel`` itself (accelerate's ``MULTI_CPU`` path, with the
+    Trainer's ``find_unused_parameters`` default). DDP's reducer keeps one flat gradient bucket
+    per ~25 MiB (``bucket_cap_mb``) in C++, separate from ``param.grad`` because accelerate's
+    ``DistributedDataParallelKwargs.gradient_as_bucket_view`` defaults to False: those bytes are
+    alive at every window opening but invisible to a gc walk, so they are added from the
+    reducer's own logging data (``_get_ddp_logging_data()["bucket_sizes"]``).
+
+``"fsdp2"``
+    FSDP2 (``torch.distributed.fsdp.fully_shard``) applied by accelerate's own code, the path the
+    Trainer takes on CUDA for ``fsdp=True, fsdp_config={"version": 2, ...}``:
+      * ``TrainingArguments(fsdp=True, fsdp_config=...)`` builds ``fsdp_plugin_args``;
+        ``accelerate.utils.FullyShardedDataParallelPlugin(**fsdp_plugin_args)`` is built from
+        them as ``Trainer.create_accelerator_and_postprocess`` does, and
+        ``plugin.set_mixed_precision(args.mixed_precision)`` is called as
+        ``accelerate.state.AcceleratorState`` does for ``bf16=True``: a
+        ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16, output_dtype=bf16)``;
+      * ``accelerate.utils.fsdp_utils.fsdp2_apply_ac`` (when ``activation_checkpointing``) and
+        ``fsdp2_prepare_model`` are then called as-is (``Accelerator._prepare_fsdp2``), with a
+        stand-in for the ``Accelerator`` that carries only the plugin, ``mixed_precision`` and
+        ``torch_device_mesh=None``. In accelerate 1.15 that shards, bottom-up, every module of the
+        ``transformer_layer_cls_to_wrap`` classes with the plugin's ``reshard_after_forward``;
+        then the input embedding on its own (untied weights); then ``[final norm, lm_head]`` as
+        one group with ``reshard_after_forward=False``; then the root with torch's default
+        (``None``: the root does not reshard after forward). Mixed precision upcasts trainable
+        low-precision parameters to fp32 first (master weights). No autocast is added: with
+        FSDP2 ``Accelerator.prepare`` never calls ``prepare_model``, and the Trainer's
+        ``autocast_smart_context_manager`` is a null context;
+      * the one CPU-only change: the plugin's ``CPUOffloadPolicy()`` pins memory, which needs an
+        accelerator, so offload uses ``CPUOffloadPolicy(pin_memory=False)``. On a CPU-only machine
+        "device" and host are the same memory, so offload changes the mechanics, not the total;
+      * the optimizer is the Trainer's (``Trainer.get_optimizer_cls_and_kwargs``: default
+        ``adamw_torch_fused``, which works on CPU with DTensor parameters in torch 2.13), built on
+        the sharded parameters (accelerate builds it first and swaps the parameters in;
+        same tensors). The loop follows the Trainer's: the step's micro-batches fetched first,
+        forward with labels, ``loss / accumulation`` backward, ``set_requires_gradient_sync(False)``
+        on all but the last micro-batch (accelerate's ``no_sync`` for FSDP2),
+        ``clip_grad_norm_(max_grad_norm)`` when > 0, ``optimizer.step()``,
+        ``zero_grad(set_to_none=True)``. The learning rate is constant (a schedule holds no memory).
+
+FSDP through the Trainer needs CUDA: on CPU, accelerate's ``AcceleratorState`` only keeps an
+``fsdp_plugin`` for GPU-like distributed types, so ``Trainer(args=TrainingArguments(fsdp=True,
+fsdp_config=..., use_cpu=True))`` under torchrun silently trains plain DDP on full replicas
+(``trainer.is_fsdp_enabled`` False, ``DistributedType.MULTI_CPU``). That is why this module calls
+accelerate's FSDP2 preparation itself.
+
+Each rank gets different data: DDP through the Trainer's distributed sampler, FSDP2 seeded by rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from ._groundtruth import _synthetic, build_model, close_window, open_window
+from ._rss import alive_cpu_tensor_bytes
+
+_MODES = ("ddp", "fsdp2")
+_OUT_ENV = "HF_MEMKIT_DIST_OUT"
+
+
+def measure_distributed_peak(spec: dict[str, Any], *, nproc: int = 2,
+                             timeout: float = 600.0) -> dict[str, Any]:
+    """Train ``nproc`` gloo ranks on this CPU under torchrun; return each rank's measured peak.
+
+    ``spec``: ``mode`` ("ddp" | "fsdp2"), ``config`` (``PretrainedConfig.to_dict()``),
+    ``seq_len``, optional ``steps`` (3; steady steps are ``>= 2``), ``task`` ("causal-lm"),
+    ``dtype`` ("float32"), ``attn_implementation``, ``learnable`` (False: random tokens; True:
+    counting sequences a model can learn), ``args`` (TrainingArguments fields:
+    ``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``optim``,
+    ``learning_rate``, ``max_grad_norm``, ``bf16``, ...). ``micro_batch`` is accepted as a
+    shorthand for ``per_device_train_batch_size``. For ``"fsdp2"`` also ``fsdp``:
+    ``reshard_after_forward`` (True), ``offload`` (False), ``mixed_precision`` (None | "bf16"),
+    ``activation_checkpointing`` (False), ``transformer_layer_cls_to_wrap`` (the model's
+    ``_no_split_modules``).
+
+    Returns ``{"mode", "nproc", "peak" (max over ranks), "losses" (per step, mean over ranks),
+    "ranks": [{"rank", "peak", "steps": [...], "local_param_bytes", "local_grad_bytes",
+    "local_optimizer_bytes", "full_param_bytes", "param_digest", "data_digest", "losses", ...}]}``.
+    Raises ``ValueError`` on a bad spec and ``RuntimeError`` (with the ranks' stderr tail) when
+    the run fails.
+    """
+    _check_spec(spec, nproc)
+    spec = dict(spec)
+    if "micro_batch" in spec:
+        spec["args"] = {**spec.get("args", {}),
+                        "per_device_train_batch_size": int(spec.pop("micro_batch"))}
+    env = dict(os.environ)
+    env.update(MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false",
+               PYTHONWARNINGS="ignore")
+    last_err = ""
+    for _attempt in range(2):  # a free port can be taken between the probe and torchrun's bind
+        with tempfile.TemporaryDirectory(prefix="hf_memkit_dist_") as out:
+            env[_OUT_ENV] = out
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+                   "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+                   "--master_port", str(_free_port()), "--module", "hf_memkit._groundtruth_dist",
+                   json.dumps(spec)]
+            try:
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                      timeout=timeout)
+            except subprocess.TimeoutExpired as e:
+                tail = (e.stderr or b"")[-3000:]
+                tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+                raise RuntimeError(f"distributed measurement ({spec['mode']}, {nproc} ranks) "
+                                   f"timed out after {timeout:.0f} s; stderr tail:\n{tail}") from e
+            ranks = []
+            for r in range(nproc):
+                path = os.path.join(out, f"rank{r}.json")
+                if os.path.exists(path):
+                    with open(path) as f:
+                        ranks.append(json.load(f))
+        if proc.returncode == 0 and len(ranks) == nproc:
+            break
+        last_err = proc.stderr
+        if "address already in use" not in proc.stderr.lower():
+            break
+    else:
+        ranks = []
+    if proc.returncode != 0 or len(ranks) != nproc:
+        raise RuntimeError(
+            f"distributed measurement ({spec['mode']}, {nproc} ranks) failed: torchrun exit "
+            f"{proc.returncode}, {len(ranks)} of {nproc} ranks reported; stderr tail:\n"
+            f"{(last_err or proc.stderr)[-4000:]}")
+    n_steps = min(len(r["losses"]) for r in ranks)
+    losses = [sum(r["losses"][i] for r in ranks) / nproc for i in range(n_steps)]
+    return {"mode": spec["mode"], "nproc": nproc, "peak": max(r["peak"] for r in ranks),
+            "losses": losses, "ranks": ranks}
+
+
+def _check_spec(spec: dict[str, Any], nproc: int) -> None:
+    problems = []
+    if spec.get("mode") not in _MODES:
+        problems.append(f"mode {spec.get('mode')!r} is not one of {', '.join(_MODES)}")
+    for key in ("config", "seq_len"):
+        if key not in spec:
+            problems.append(f"missing `{key}`")
+    if not isinstance(nproc, int) or nproc < 1:
+        problems.append(f"nproc must be a positive int, got {nproc!r}")
+    if spec.get("mode") == "ddp" and spec.get("fsdp"):
+        problems.append("`fsdp` options need mode='fsdp2'")
+    unknown = set(spec.get("fsdp") or {}) - {"reshard_after_forward", "offload", "mixed_precision",
+                                              "activation_checkpointing",
+                                              "transformer_layer_cls_to_wrap"}
+    if unknown:
+        problems.append(f"unknown fsdp option(s) {sorted(unknown)}; known: reshard_after_forward, "
+                        "offload, mixed_precision, activation_checkpointing, "
+                        "transformer_layer_cls_to_wrap")
+    mp = (spec.get("fsdp") or {}).get("mixed_precision")
+    if mp not in (None, "no", "bf16"):
+        problems.append(f"fsdp mixed_precision {mp!r}: CPU supports None or 'bf16'")
+    if problems:
+        raise ValueError("bad distributed measurement spec: " + "; ".join(problems))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- inside each rank ----------------------------------------------------------------------------
+
+def _tensor_bytes(t) -> int:
+    """Bytes this rank holds for ``t``: the local shard of a DTensor, else the tensor itself."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def _optimizer_bytes(optimizer) -> int:
+    import torch
+
+    return sum(_tensor_bytes(v) for st in optimizer.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor))
+
+
+def _digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _data(spec: dict[str, Any], config: Any, n: int, seed: int) -> list[dict[str, Any]]:
+    if spec.get("learnable"):
+        from ._synthetic import SyntheticTextDataset
+
+        ds = SyntheticTextDataset(vocab_size=config.get_text_config().vocab_size,
+                                  seq_len=spec["seq_len"], num_samples=n, seed=seed)
+        return [ds[i] for i in range(n)]
+    return _synthetic(spec, config, n, seed=seed)
+
+
+def _training_args(spec: dict[str, Any], workdir: str, steps: int, **extra):
+    import transformers
+
+    a = dict(spec.get("args", {}))
+    a.update(extra)
+    a.update(output_dir=os.path.join(workdir, "out"), max_steps=steps, use_cpu=True,
+             ddp_backend="gloo", report_to=[], save_strategy="no", logging_strategy="steps",
+             logging_steps=1, eval_strategy="no", dataloader_num_workers=0,
+             dataloader_pin_memory=False, disable_tqdm=True,
+             learning_rate=a.get("learning_rate", 1e-4))
+    return transformers.TrainingArguments(**a)
+
+
+def _ddp_bucket_bytes(ddp) -> dict[str, Any]:
+    """The reducer's flat gradient buckets (held in C++, so invisible to a gc walk)."""
+    info: dict[str, Any] = {"bucket_cap_bytes": getattr(ddp, "bucket_bytes_cap", None),
+                            "gradient_as_bucket_view": bool(getattr(ddp, "gradient_as_bucket_view",
+                                                                    False))}
+    try:
+        data = ddp._get_ddp_logging_data()
+        sizes = [int(x) for x in str(data.get("bucket_sizes", "")).split(",") if x.strip()]
+    except Exception:  # private API: fall back to the bytes of every trainable parameter
+        sizes = [sum(_tensor_bytes(p) for p in ddp.module.parameters() if p.requires_grad)]
+    info["bucket_sizes"] = sizes
+    info["bucket_bytes"] = sum(sizes)
+    return info
+
+
+def _run_ddp(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    steps = max(2, int(spec.get("steps", 3)))
+    model = build_model(spec, workdir)
+    args = _training_args(spec, workdir, steps)
+    world, rank = args.world_size, args.process_index
+    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    data = _data(spec, model.config, per_step * world * (steps + 1), seed=1)
+    initial = _digest(p for p in model.parameters())
+    seen: list[str] = []
+    records: list[dict[str, Any]] = []
+    extra: dict[str, Any] = {}
+
+    def collate(xs):
+        batch = {k: torch.stack([x[k] for x in xs]) for k in xs[0]}
+        seen.append(_digest([batch["input_ids"]]))
+        return batch
+
+    class Window(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            ddp = trainer.model_wrapped
+            buckets = _ddp_bucket_bytes(ddp) if hasattr(ddp, "reducer") else {"bucket_bytes": 0}
+            # with gradient_as_bucket_view the grads are views of the buckets: counted once
+            hidden = buckets["bucket_bytes"]
+            if buckets.get("gradient_as_bucket_view") and any(
+                    p.grad is not None for p in ddp.parameters()):
+                hidden = 0
+            extra["buckets"] = buckets
+            self.open = open_window(alive_cpu_tensor_bytes() + hidden)
+            self.hidden = hidden
+
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            self.grad = sum(_tensor_bytes(p.grad) for p in kw["model"].parameters()
+                            if p.grad is not None)
+
+        def on_step_end(self, args, state, control, **kw):
+            rec = {"step": state.global_step, **close_window(self.open),
+                   "bucket_bytes": self.hidden, "grad_bytes": self.grad}
+            records.append(rec)
+            extra["optimizer_bytes"] = _optimizer_bytes(kw["optimizer"])
+
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                   data_collator=collate, callbacks=[Window()])
+    trainer.train()
+    ddp = trainer.model_wrapped
+    if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+        raise RuntimeError(f"the Trainer did not wrap the model in DistributedDataParallel "
+                           f"(got {type(ddp).__name__}); world size {world}")
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    return {"rank": rank, "world_size": world, "steps": records,
+            "losses": losses,
+            "local_param_bytes": sum(_tensor_bytes(p) for p in model.parameters()),
+            "full_param_bytes": sum(_tensor_bytes(p) for p in model.parameters()),
+            "local_buffer_bytes": sum(_tensor_bytes(b) for b in model.buffers()),
+            "local_grad_bytes": records[-1]["grad_bytes"],
+            "local_optimizer_bytes": extra["optimizer_bytes"],
+            "optimizer": type(opt).__name__,
+            "optimizer_impl": _adam_impl(opt),
+            "ddp": {**extra["buckets"], "find_unused_parameters": ddp.find_unused_parameters,
+                    "wrapper": type(ddp).__name__},
+            "param_digest_initial": initial,
+            "param_digest": _digest(p for p in model.parameters()),
+            "data_digest": seen[0] if seen else None}
+
+
+def _adam_impl(opt) -> str:
+    d = opt.defaults
+    return "fused" if d.get("fused") else "foreach" if d.get("foreach") else "single-tensor"
+
+
+def _fsdp2_prepare(spec: dict[str, Any], model, args):
+    """accelerate's own FSDP2 preparation (``fsdp2_apply_ac`` + ``fsdp2_prepare_model``)."""
+    import types
+
+    import torch
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_apply_ac, fsdp2_prepare_model
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
+    if args.mixed_precision != "no":  # accelerate.state.AcceleratorState does this
+        plugin.set_mixed_precision(args.mixed_precision)
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy) and not torch.accelerator.is_available():
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)  # pinning needs an accelerator
+    acc = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin),
+                                torch_device_mesh=None, mixed_precision=args.mixed_precision,
+                                is_main_process=args.process_index == 0,
+                                device=torch.device("cpu"))
+    plugin.set_auto_wrap_policy(model)  # Accelerator._prepare_fsdp2 does this before AC
+    if plugin.activation_checkpointing:
+        model = fsdp2_apply_ac(acc, model)
+    return fsdp2_prepare_model(acc, model), plugin
+
+
+def _reshards(module) -> bool | None:
+    """Whether an FSDP2 unit frees its unsharded parameters after forward (private state)."""
+    try:
+        group = module._get_fsdp_state()._fsdp_param_group
+        return None if group is None else group.post_forward_mesh_info is not None
+    except AttributeError:
+        return None
+
+
+def _run_fsdp2(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    import transformers
+    from torch.distributed.fsdp import FSDPModule
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    steps = max(2, int(spec.get("steps", 3)))
+    fs = dict(spec.get("fsdp") or {})
+    model = build_model(spec, workdir)
+    layer_cls = fs.get("transformer_layer_cls_to_wrap") or list(model._no_split_modules or [])
+    fsdp_config = {"version": 2, "transformer_layer_cls_to_wrap": layer_cls,
+                   "reshard_after_forward": bool(fs.get("reshard_after_forward", True)),
+                   "cpu_offload": bool(fs.get("offload", False)),
+                   "activation_checkpointing": bool(fs.get("activation_checkpointing", False))}
+    bf16 = fs.get("mixed_precision") == "bf16" or bool(spec.get("args", {}).get("bf16"))
+    args = _training_args(spec, workdir, steps, fsdp=True, fsdp_config=fsdp_config, bf16=bf16)
+    full_param_bytes = sum(_tensor_bytes(p) for p in model.parameters())
+    model, plugin = _fsdp2_prepare(spec, model, args)
+    model.train()
+    units = [{"module": name or "<root>", "reshard_after_forward": _reshards(m)}
+             for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    optim_cls, optim_kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args, model)
+    optimizer = optim_cls([p for p in model.parameters() if p.requires_grad], **optim_kwargs)
+
+    mb, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    data = _data(spec, model.config, mb * accum * steps, seed=1 + rank)
+    batches = [{k: torch.stack([x[k] for x in data[i:i + mb]]) for k in data[0]}
+               for i in range(0, len(data), mb)]
+    records: list[dict[str, Any]] = []
+    losses: list[float] = []
+    grad_bytes = 0
+    for step in range(steps):
+        micro = batches[step * accum:(step + 1) * accum]  # the Trainer prefetches the step's batches
+        opened = open_window(alive_cpu_tensor_bytes())
+        total = torch.zeros(())
+        for i, batch in enumerate(micro):
+            model.set_requires_gradient_sync(i == len(micro) - 1)
+            loss = model(**batch).loss / len(micro)
+            loss.backward()
+            total += loss.detach()
+        if args.max_grad_norm and args.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        grad_bytes = sum(_tensor_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        records.append({"step": step + 1, **close_window(opened), "grad_bytes": grad_bytes})
+        del loss, batch
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+    local_params = sum(_tensor_bytes(p) for p in model.parameters())
+    return {"rank": rank, "world_size": world, "steps": records, "losses": losses,
+            "local_param_bytes": local_params, "full_param_bytes": full_param_bytes,
+            "local_buffer_bytes": sum(_tensor_bytes(b) for b in model.buffers()),
+            "local_grad_bytes": grad_bytes,
+            "local_optimizer_bytes": _optimizer_bytes(optimizer),
+            "optimizer": optim_cls.__name__, "optimizer_impl": _adam_impl(optimizer),
+            "fsdp": {"units": units, "mixed_precision": args.mixed_precision,
+                     "mp_policy": repr(plugin.mixed_precision_policy),
+                     "offload_policy": repr(plugin.cpu_offload),
+                     "param_dtype": str(next(model.parameters()).dtype)},
+            "data_digest": _digest([batches[0]["input_ids"]])}
+
+
+def _rank_main(spec: dict[str, Any]) -> dict[str, Any]:
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":
+        raise RuntimeError("MALLOC_MMAP_THRESHOLD_=65536 must be set when the process starts")
+    with tempfile.TemporaryDirectory() as workdir:
+        t0 = time.perf_counter()
+        result = (_run_ddp if spec["mode"] == "ddp" else _run_fsdp2)(spec, workdir)
+        result["seconds"] = time.perf_counter() - t0
+    steady = [r for r in result["steps"] if r["step"] >= 2] or result["steps"]
+    result["peak"] = max(r["peak"] for r in steady)
+    return result
+
+
+if __name__ == "__main__":
+    _result = _rank_main(json.loads(sys.argv[1]))
+    _path = os.path.join(os.environ[_OUT_ENV], f"rank{_result['rank']}.json")
+    with open(_path + ".tmp", "w") as _f:
+        json.dump(_result, _f)
+    os.replace(_path + ".tmp", _path)
+    import torch.distributed as _dist
+
+    if _dist.is_initialized():
+        _dist.barrier()
+        _dist.destroy_process_group()
