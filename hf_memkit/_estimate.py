@@ -13,6 +13,11 @@ The peak of a Trainer optimizer step (steady state, step >= 2):
     forward / backward, micro-step 2+: W + inputs + O + G + X'      and gradients being created)
     optimizer.step():                  W + inputs + G + O + T_opt
     (W weights, G gradients, O optimizer state, T_opt the optimizer's transient buffers)
+
+Data-parallel engines (``_sharding``): W, G and O become one rank's shards, and the forward and
+backward add the layers gathered at that moment (FSDP, ZeRO-3), one layer's unsharded gradients,
+and persistent communication buckets (DDP, DeepSpeed). Activations are replicated: each rank
+traces its own micro-batch, with the 16-bit weights the engine computes with.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from ._errors import HfMemkitError
 from ._optimizers import OptimizerContext, ParamInfo, get_optimizer_profile
 from ._profile import build_model, logical_numel, normalize_task, task_of_class, unwrap_model
 from ._setup import Sharding, TrainingSetup, normalize_args
+from ._sharding import model_facts, rank_states
 from ._trace import LoraSpec, layer_count, quantizable_linears, trace_step, with_layers
 from ._units import format_bytes
 
@@ -65,6 +71,11 @@ class MemoryEstimate:
     seq_len: int = field(default=0, metadata={"help": "Sequence length (the longest in a batch)."})
     uncertainty: float = field(default=0.0, metadata={"help": "Relative 1-sigma of device_used."})
     notes: list[str] = field(default_factory=list, metadata={"help": "What was assumed or noted."})
+    model_states: int = field(default=0, metadata={
+        "help": "Resident weights + gradients + optimizer state on this rank (sharded where the "
+                "engine shards; DeepSpeed ZeRO-3 with its gathered largest module)."})
+    host_offloaded: int = field(default=0, metadata={
+        "help": "Bytes an offloading engine keeps in host memory for this rank."})
     trace_seconds: float = field(default=0.0, repr=False)
     traced_layers: tuple[int, ...] = field(default=(), repr=False)
 
@@ -80,6 +91,7 @@ class MemoryEstimate:
             "device_used": self.device_used, "breakdown": dict(self.breakdown),
             "peak_phase": self.peak_phase, "stage": self.stage, "seq_len": self.seq_len,
             "uncertainty": self.uncertainty, "notes": list(self.notes),
+            "model_states": self.model_states, "host_offloaded": self.host_offloaded,
             "device": self.device.to_dict(), "setup": dataclasses.asdict(self.setup),
         }
 
@@ -309,7 +321,8 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int, device: Any =
                     stage: str = "train", task: str | None = None, target_len: int | None = None,
                     dtype: torch.dtype | str | None = None, attn_implementation: str | None = None,
                     peft_config: Any = None, quantization_config: Any = None,
-                    padded: bool = False, sharding: Sharding | None = None) -> MemoryEstimate:
+                    padded: bool = False, num_gpus: int | None = None,
+                    sharding: Sharding | None = None) -> MemoryEstimate:
     """Predict the peak memory of one training (``stage="train"``) or eval step.
 
     ``model``: a model on any device (meta included; a peft model is LoRA), a
@@ -320,6 +333,8 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int, device: Any =
     training; default: the model's, fp32 for a config). ``peft_config`` / ``quantization_config``:
     LoRA / QLoRA as ``Plan.model_kwargs`` would load it. ``padded``: batches carry a real attention
     mask (dynamic padding). ``device``: DeviceInfo, catalog name, ``"cpu"``, or None (this machine).
+    ``num_gpus``: data-parallel ranks; with ``fsdp``/``fsdp_config`` or ``deepspeed`` in ``args``
+    the estimate is one rank's (FSDP2 / ZeRO shards, gathered layers, buckets), otherwise DDP.
     """
     problems = []
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
@@ -332,7 +347,7 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int, device: Any =
         from ._errors import ConfigError
 
         raise ConfigError(problems, source="estimate_memory")
-    setup = normalize_args(args, source="args")
+    setup = normalize_args(args, source="args", num_gpus=num_gpus)
     if sharding is not None:
         setup = setup.replace(sharding=sharding)
     dev = resolve_device(device)
@@ -415,37 +430,61 @@ def estimate_for(spec: _ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq
 
     weights, trainable = _model_states(spec)
     sh = setup.sharding
-    W = 0 if sh.offload_params else weights // sh.params
-    G = sum(p.nbytes for p in trainable) // sh.grads
     opt_profile = get_optimizer_profile(setup.optim)
     om = opt_profile.estimate(trainable, OptimizerContext(device_kind=dev.kind,
                                                           optim_args=setup.optim_args))
-    O = 0 if sh.offload_optimizer else om.state // sh.optimizer  # noqa: E741 (docstring name)
-    T_opt = 0 if sh.offload_optimizer else om.transient
+    rs = rank_states(sh, weight_bytes=weights, grad_bytes=sum(p.nbytes for p in trainable),
+                     n_trainable=sum(p.numel for p in trainable), optimizer_state=om.state,
+                     optimizer_transient=om.transient,
+                     facts=_facts(spec) if sh.engine in ("fsdp", "deepspeed") else None,
+                     device_kind=dev.kind, load_itemsize=spec.dtype.itemsize)
+    W, G, O, T_opt, B = (rs.weights, rs.gradients, rs.optimizer,  # noqa: E741
+                         rs.optimizer_transient, rs.buckets)
+    notes.extend(setup.notes)
+    if sh.engine != "none":
+        notes.append(f"per rank of {sh.label()}")
+        notes.extend(rs.notes)
+    if rs.host:
+        notes.append(f"{format_bytes(rs.host)} per rank offloaded to host (CPU) memory")
     if om.paged:
         notes.append(f"{format_bytes(om.paged)} of paged optimizer state lives in CUDA managed "
                      "memory (outside max_memory_allocated; NVML counts it while resident)")
 
+    trace_spec, trace_setup = _trace_variant(spec, setup)
     if cache is not None:
-        ex = cache.excess(spec, setup, seq_len=seq_len, stage=stage, target_len=target_len,
-                          padded=padded)
+        ex = cache.excess(trace_spec, trace_setup, seq_len=seq_len, stage=stage,
+                          target_len=target_len, padded=padded)
     else:
-        ex = _trace_excess(spec, setup, seq_len=seq_len, stage=stage, target_len=target_len,
-                           padded=padded)
+        ex = _trace_excess(trace_spec, trace_setup, seq_len=seq_len, stage=stage,
+                           target_len=target_len, padded=padded)
     # QLoRA's dequantisation temporaries are traced (_trace.SimLinear4bit); an 8-bit base is
     # traced as frozen linears of the load dtype.
     inputs = ex.inputs
-    xp = ex.phases
+    xp = dict(ex.phases)
+    grads_sharded = sh.engine == "fsdp" or (sh.engine == "deepspeed" and sh.stage >= 2)
+    # gradients made during the backward are reduce-scattered layer by layer: one rank keeps
+    # its shard, in the dtype of its sharded parameters (G per full set, offloaded: none)
+    traced_total = sum(p.numel for p in trainable) * trace_spec.dtype.itemsize \
+        if trace_spec is not spec else sum(p.nbytes for p in trainable)
+    grad_factor = G / traced_total if grads_sharded and traced_total else 1.0
+    if grads_sharded:
+        for key in ("backward", "backward_accum"):
+            if key in xp:
+                traced = ex.categories.get(key, {}).get("Gradient", 0)
+                xp[key] += int(traced * grad_factor) - traced
+    gf, gb, gbuf = rs.gathered_forward, rs.gathered_backward, rs.grad_buffers
+    G_acc = G if rs.accum_gradients is None else rs.accum_gradients
     # one value per phase of the step: what is alive at that phase's peak
     if stage == "train":
-        phases = {"forward": W + inputs + O + xp["forward"],
-                  "backward": W + inputs + O + xp["backward"],
-                  "optimizer step": W + inputs + G + O + T_opt}
+        phases = {"forward": W + inputs + O + B + gf + xp["forward"],
+                  "backward": W + inputs + O + B + gb + gbuf + xp["backward"],
+                  "optimizer step": W + inputs + G + O + B + T_opt}
         if "forward_accum" in xp:
-            phases["forward (accumulating)"] = W + inputs + O + G + xp["forward_accum"]
-            phases["backward (accumulating)"] = W + inputs + O + G + xp["backward_accum"]
+            phases["forward (accumulating)"] = W + inputs + O + B + G_acc + gf + xp["forward_accum"]
+            phases["backward (accumulating)"] = (W + inputs + O + B + G_acc + gb + gbuf
+                                                 + xp["backward_accum"])
     else:
-        phases = {"eval forward": W + inputs + O + xp["eval"]}
+        phases = {"eval forward": W + inputs + O + B + gf + xp["eval"]}
         vocab = getattr(spec.config.get_text_config(), "vocab_size", None)
         if not setup.prediction_loss_only and vocab and spec.task in ("causal-lm", "seq2seq-lm",
                                                                       "masked-lm"):
@@ -463,9 +502,15 @@ def estimate_for(spec: _ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq
                  "forward (accumulating)": "forward_accum",
                  "backward (accumulating)": "backward_accum"}.get(phase)
     cats = ex.categories.get(trace_key, {}) if trace_key else {}
-    grads_now = G if phase in ("optimizer step", "forward (accumulating)",
-                               "backward (accumulating)") else cats.get("Gradient", 0)
-    parts = {"weights": W, "gradients": grads_now, "optimizer": O,
+    grads_now = {"optimizer step": G, "forward (accumulating)": G_acc,
+                 "backward (accumulating)": G_acc}.get(phase, 0)
+    if phase.startswith("backward"):
+        grads_now += gbuf
+    if phase in ("forward", "backward", "eval forward"):
+        traced = cats.get("Gradient", 0)
+        grads_now += int(traced * grad_factor) if phase == "backward" else traced
+    gathered = gb if phase.startswith("backward") else 0 if phase == "optimizer step" else gf
+    parts = {"weights": W + gathered, "gradients": grads_now + B, "optimizer": O,
              "activations": cats.get("Activation", 0)}
     parts["temporaries"] = peak - sum(parts.values())
     if parts["temporaries"] < 0:  # extrapolated categories can overshoot by a few bytes
@@ -498,4 +543,28 @@ def estimate_for(spec: _ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq
         device_used=int(device_used), breakdown={k: int(v) for k, v in breakdown.items()},
         peak_phase=phase, stage=stage, device=dev, setup=setup, seq_len=seq_len,
         uncertainty=rel, notes=notes, trace_seconds=ex.seconds, traced_layers=ex.layers,
+        model_states=int(rs.model_states), host_offloaded=int(rs.host),
     )
+
+
+def _facts(spec: _ModelSpec):
+    """Layer structure for sharding (memoised on the spec)."""
+    cached = getattr(spec, "_facts", None)
+    if cached is None:
+        cached = spec._facts = model_facts(spec.meta)
+    return cached
+
+
+def _trace_variant(spec: _ModelSpec, setup: TrainingSetup) -> tuple[_ModelSpec, TrainingSetup]:
+    """What each rank computes with. FSDP2 with mixed precision gathers 16-bit parameters
+    (MixedPrecisionPolicy) under autocast, so autocast makes no weight copies; DeepSpeed in
+    16-bit keeps the model itself in 16-bit and runs without autocast."""
+    sh = setup.sharding
+    if (sh.engine not in ("fsdp", "deepspeed") or not setup.amp
+            or spec.dtype != torch.float32 or spec.quant_bits):
+        return spec, setup
+    half = torch.bfloat16 if setup.amp == "bf16" else torch.float16
+    variants = spec.__dict__.setdefault("_half", {})
+    if half not in variants:
+        variants[half] = dataclasses.replace(spec, dtype=half)
+    return variants[half], setup.replace(amp=None) if sh.engine == "deepspeed" else setup

@@ -26,12 +26,29 @@ import torch
 from ._compat import is_bitsandbytes_available, is_flash_attn_available, is_peft_available
 from ._device import DeviceInfo, probe_device, resolve_device
 from ._errors import ConfigError, HfMemkitError
-from ._estimate import MemoryEstimate, TraceCache, _model_states, _resolve_model, estimate_for
+from ._estimate import (MemoryEstimate, TraceCache, _facts, _model_states, _resolve_model,
+                        estimate_for)
 from ._optimizers import OptimizerContext, get_optimizer_profile
 from ._setup import TrainingSetup, normalize_args, training_args_fields
+from ._sharding import (Sharding, comm_seconds, deepspeed_config_for, fsdp_config_for,
+                        launch_commands, model_facts, rank_states, validate_deepspeed_config)
 from ._units import format_bytes, parse_bytes
 
 METHODS = ("auto", "full", "lora", "qlora")
+ENGINES = ("auto", "ddp", "fsdp", "deepspeed")
+# Data-parallel strategies, by tier: replicas first (fastest when they fit), then sharding, and
+# offload only as the last rung (PCIe round trips every step).
+PARALLEL_LABELS = {"single": "1 GPU", "pinned": "pinned engine", "ddp": "DDP", "fsdp-grad-op": "FSDP2 shard-grad-op",
+                   "fsdp-full": "FSDP2 full shard", "fsdp-offload": "FSDP2 full shard + offload",
+                   "zero2": "ZeRO-2", "zero3": "ZeRO-3",
+                   "zero3-offload-opt": "ZeRO-3 + optimizer offload",
+                   "zero3-offload": "ZeRO-3 + param/optimizer offload"}
+OFFLOAD_STRATEGIES = ("fsdp-offload", "zero3-offload-opt", "zero3-offload")
+# The optimizer step on the host under offload (DeepSpeed CPUAdam / torch on CPU): bytes of
+# optimizer traffic per second one rank's host cores sustain (an assumption; memory-bound AVX).
+HOST_OPTIM_BANDWIDTH = 20e9
+# GPUs one node of the catalog cards holds (HGX/DGX boards); more need num_nodes.
+MAX_GPUS_PER_NODE = 8
 # LoRA defaults of the plan (peft.LoraConfig): the QLoRA paper's recipe, adapters on every linear.
 LORA_DEFAULTS = dict(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear")
 
@@ -54,9 +71,13 @@ class Candidate:
     chosen: bool = False
     reason: str = ""
     estimate: MemoryEstimate | None = field(default=None, repr=False)
+    parallel: str = "single"         # single | ddp | fsdp-grad-op | fsdp-full | fsdp-offload |
+    #                                  zero2 | zero3 | zero3-offload-opt | zero3-offload
 
     def label(self) -> str:
         parts = [self.method, self.precision, self.optim]
+        if self.parallel != "single":
+            parts.insert(0, PARALLEL_LABELS[self.parallel])
         if self.checkpointing:
             parts.append("checkpointing")
         parts.append(f"micro-batch {self.micro_batch} x {self.grad_accum}")
@@ -115,8 +136,14 @@ def _peak_flops(dev: DeviceInfo, precision: str, tf32: bool) -> float:
 
 
 def _cost(c: Candidate, *, n_params: int, n_trainable: int, layers: int, hidden: int,
-          seq_len: int, target: int, dev: DeviceInfo, heads: int = 1) -> float:
-    """Predicted seconds per sample (only ratios between candidates are used)."""
+          seq_len: int, target: int, dev: DeviceInfo, heads: int = 1,
+          sharding: Sharding | None = None, nodes: int = 1) -> float:
+    """Predicted seconds per sample on one rank (only ratios between candidates are used).
+
+    ``target`` is the per-rank batch of one optimizer step. Data-parallel engines add the
+    communication of a step that compute does not hide (``_sharding.comm_seconds``, from the
+    catalog's interconnect bandwidth) and divide the optimizer step by the ranks that share it;
+    offload steps the optimizer on the host."""
     attn_flops = 12 * layers * hidden * seq_len
     if c.method == "full":
         flops = 6 * n_params + attn_flops
@@ -140,7 +167,17 @@ def _cost(c: Candidate, *, n_params: int, n_trainable: int, layers: int, hidden:
         elem = 4 if c.precision == "fp32" else 2
         compute += EAGER_SCORE_PASSES * layers * heads * seq_len * seq_len * elem / bw
     optim = OPTIM_STEP_COST.get(c.optim, 1.5) * OPTIM_BYTES_PER_PARAM * n_trainable / bw / target
-    return compute + overhead + optim
+    comm = 0.0
+    if sharding is not None and sharding.engine in ("fsdp", "deepspeed"):
+        shards = sharding.world_size if (sharding.engine == "fsdp" or sharding.stage >= 1) else 1
+        optim /= shards
+        if sharding.offload_optimizer:
+            optim = OPTIM_BYTES_PER_PARAM * n_trainable / shards / HOST_OPTIM_BANDWIDTH / target
+    if sharding is not None and sharding.world_size > 1:
+        comm = comm_seconds(sharding, n_params=n_params, n_trainable=n_trainable,
+                            grad_accum=c.grad_accum, mixed_precision=c.precision != "fp32",
+                            intra_bw=dev.interconnect_bandwidth, num_nodes=nodes) / target
+    return compute + overhead + optim + comm
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,6 +202,8 @@ class Plan:
     accelerator_kwargs: dict[str, Any]
     candidates: list[Candidate]
     notes: list[str] = field(default_factory=list)
+    num_nodes: int = 1
+    parallel: dict[str, Any] = field(default_factory=dict)  # engine, strategy, launch details
 
     @property
     def chosen(self) -> Candidate:
@@ -234,6 +273,24 @@ class Plan:
             enable_checkpointing(base, {"use_reentrant": False})
         return model
 
+    def launch_commands(self, script: str = "train.py") -> dict[str, str]:
+        """``accelerate launch`` and ``torchrun`` command lines for this plan's GPUs and nodes.
+        (With DeepSpeed, write the config first: ``write_deepspeed_config``.)"""
+        engine = self.parallel.get("engine", "none")
+        return launch_commands(script=script, num_gpus=self.num_gpus, num_nodes=self.num_nodes,
+                               engine=engine, config_file="ds_config.json"
+                               if engine == "deepspeed" else None)
+
+    def write_deepspeed_config(self, path: str | os.PathLike = "ds_config.json") -> str:
+        """Write the plan's DeepSpeed config as JSON (pass it as ``deepspeed=path`` too)."""
+        cfg = self.training_args_kwargs.get("deepspeed")
+        if not isinstance(cfg, dict):
+            raise HfMemkitError(f"this plan uses {self.parallel.get('label', 'no DeepSpeed')}; "
+                                "plan with engine='deepspeed' for a DeepSpeed config")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(cfg, f, indent=2)
+        return str(path)
+
     # -- reading it ---------------------------------------------------------------------------
     def explain(self) -> str:
         from ._render import plan_tables, render_to_text
@@ -254,6 +311,7 @@ class Plan:
             "peft_config": _peft_to_dict(self.peft_config),
             "accelerator_kwargs": self.accelerator_kwargs,
             "candidates": [c.to_dict() for c in self.candidates], "notes": list(self.notes),
+            "num_nodes": self.num_nodes, "parallel": self.parallel,
         }
 
     def to_json(self, **kw: Any) -> str:
@@ -278,7 +336,8 @@ class Plan:
             model_kwargs=_model_kwargs_from_json(d["model_kwargs"]),
             peft_config=_peft_from_dict(d["peft_config"]),
             accelerator_kwargs=dict(d["accelerator_kwargs"]), candidates=cands,
-            notes=list(d.get("notes", [])))
+            notes=list(d.get("notes", [])), num_nodes=d.get("num_nodes", 1),
+            parallel=dict(d.get("parallel", {})))
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -306,12 +365,14 @@ def _estimate_from_dict(d: dict[str, Any]) -> MemoryEstimate:
     setup = dict(d["setup"])
     setup["sharding"] = Sharding(**setup["sharding"])
     setup["unmodelled"] = tuple(setup.get("unmodelled", ()))
+    setup["notes"] = tuple(setup.get("notes", ()))
     return MemoryEstimate(
         peak_allocated=d["peak_allocated"], peak_reserved=d["peak_reserved"],
         device_used=d["device_used"], breakdown=dict(d["breakdown"]), peak_phase=d["peak_phase"],
         stage=d["stage"], device=DeviceInfo.from_dict(d["device"]),
         setup=TrainingSetup(**setup), seq_len=d["seq_len"], uncertainty=d["uncertainty"],
-        notes=list(d["notes"]))
+        notes=list(d["notes"]), model_states=d.get("model_states", 0),
+        host_offloaded=d.get("host_offloaded", 0))
 
 
 def _jsonable_model_kwargs(mk: dict[str, Any]) -> dict[str, Any]:
@@ -420,14 +481,52 @@ def _attention(spec: Any, dev: DeviceInfo, precision: str) -> tuple[str, str]:
         return "eager", "model has no native SDPA kernel; optimum 2.x has no BetterTransformer"
 
 
+def _strategies(ranks: int, engine: str, method: str) -> list[str]:
+    if ranks == 1:
+        return ["single"]
+    if method != "full" or engine == "ddp":
+        return ["ddp"]  # adapters are small: replicas; sharding a frozen k-bit base is not planned
+    if engine == "deepspeed":
+        return ["ddp", "zero2", "zero3", "zero3-offload-opt", "zero3-offload"]
+    return ["ddp", "fsdp-grad-op", "fsdp-full", "fsdp-offload"]
+
+
+def _parallel_args(parallel: str, *, ranks: int, micro_batch: int, grad_accum: int,
+                   precision: str, checkpointing: bool, hidden: int, layer_class: str | None,
+                   max_grad_norm: float) -> dict[str, Any]:
+    """The TrainingArguments fields that select and configure the engine."""
+    if parallel == "pinned":
+        return {}  # the user's own fsdp / deepspeed pins configure it
+    if parallel in ("single", "ddp"):
+        return {"ddp_find_unused_parameters": False} if parallel == "ddp" else {}
+    if parallel.startswith("fsdp"):
+        sh = Sharding("fsdp", ranks, 2 if parallel == "fsdp-grad-op" else 3,
+                      offload_params=parallel == "fsdp-offload",
+                      offload_optimizer=parallel == "fsdp-offload")
+        out: dict[str, Any] = {"fsdp": True, "fsdp_config": fsdp_config_for(
+            sh, layer_class, checkpointing=checkpointing)}
+        if grad_accum > 1:  # reduce-scatter every micro-step: no unsharded gradients kept
+            out["accelerator_config"] = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
+        return out
+    stage = 2 if parallel == "zero2" else 3
+    sh = Sharding("deepspeed", ranks, stage, offload_optimizer="offload" in parallel,
+                  offload_params=parallel == "zero3-offload")
+    return {"deepspeed": deepspeed_config_for(
+        sh, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision, hidden=hidden,
+        max_grad_norm=max_grad_norm)}
+
+
 def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: Any = None,
                   num_gpus: int | None = None, method: str = "auto", headroom: float = 0.1,
                   max_memory: int | str | None = None, task: str | None = None,
-                  **constraints: Any) -> Plan:
+                  num_nodes: int = 1, engine: str = "auto", **constraints: Any) -> Plan:
     """Choose the fastest setup whose predicted ``device_used`` fits the memory budget.
 
     ``constraints`` pin TrainingArguments fields (e.g. ``optim="adamw_torch_fused"``,
     ``activation_checkpointing=False``) or restrict the search (``micro_batch=4``).
+    ``num_gpus`` ranks over ``num_nodes`` nodes: DDP when a replica fits, else FSDP2
+    (``engine="fsdp"``, the default) or DeepSpeed ZeRO (``engine="deepspeed"``) sharding, and
+    CPU offload only as the last rung; ``engine="ddp"`` never shards.
     """
     problems = []
     if method not in METHODS:
@@ -438,11 +537,32 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
         problems.append(f"target_batch_size must be a positive integer, got {target_batch_size!r}")
     if not 0 <= headroom < 1:
         problems.append(f"headroom must be in [0, 1), got {headroom!r}")
+    if engine not in ENGINES:
+        problems.append(f"engine `{engine}` is not one of {', '.join(ENGINES)}")
     probed = device is None
     dev = probe_device() if probed else resolve_device(device)
-    ranks = num_gpus or 1
-    if num_gpus is not None and probed and dev.kind == "cuda" and num_gpus > dev.count:
-        problems.append(f"num_gpus={num_gpus} but this machine shows {dev.count} GPU(s)")
+    ok = True
+    for name, v in (("num_gpus", num_gpus), ("num_nodes", num_nodes)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            problems.append(f"{name} must be a positive integer, got {v!r}")
+            ok = False
+    ranks = (num_gpus or 1) if ok else 1
+    nodes = num_nodes if ok else 1
+    if ok and ranks % nodes:
+        problems.append(f"num_gpus={ranks} is not a multiple of num_nodes={nodes}; give the "
+                        "total GPU count over all nodes")
+    per_node = ranks // nodes if ok else 1
+    if ok and probed and ranks > 1 and dev.kind != "cuda":
+        problems.append(f"num_gpus={ranks} but this machine has no CUDA GPU ({dev.name}); "
+                        "plan for a catalog GPU with device='H100-80GB' (see list_devices())")
+    elif ok and probed and dev.kind == "cuda" and per_node > dev.count:
+        problems.append(f"num_gpus={ranks} but this machine shows {dev.count} GPU(s) "
+                        f"({per_node} needed per node over {nodes} node(s)); use num_gpus<="
+                        f"{dev.count * nodes} or more nodes")
+    elif ok and not probed and dev.kind == "cuda" and per_node > MAX_GPUS_PER_NODE:
+        problems.append(f"num_gpus={ranks} on {nodes} node(s) is {per_node} {dev.name} per node; "
+                        f"a node holds at most {MAX_GPUS_PER_NODE}: set num_nodes="
+                        f"{-(-ranks // MAX_GPUS_PER_NODE)}")
     if isinstance(target_batch_size, int) and target_batch_size > 0 and target_batch_size % ranks:
         lo = target_batch_size - target_batch_size % ranks
         valid = [v for v in (lo, lo + ranks) if v > 0]
@@ -463,9 +583,6 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
         raise ConfigError(problems, source="plan_training")
     budget = _budget(dev, headroom, max_memory, probed)
     notes: list[str] = []
-    if ranks > 1:
-        notes.append(f"{ranks} data-parallel ranks (DDP): each rank holds a full replica; "
-                     "sharding (FSDP/ZeRO) and DDP bucket memory come with multi-GPU support")
 
     # the ladder: full, LoRA, LoRA on an 8-bit base, QLoRA; method="lora" covers both LoRA rungs
     methods = {"auto": ["full", "lora", "lora-8bit", "qlora"], "full": ["full"],
@@ -534,20 +651,28 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
                           peft_cfg, quant)
         return specs[key]
 
+    pinned_engine = any(pins.get(k) for k in ("fsdp", "deepspeed"))
+    layer_class = model_facts(base_spec.meta).layer_class
     for meth in methods:
-        for precision in precisions:
-            if meth != "full" and precision == "pure-bf16":
-                continue  # adapters train in fp32 under AMP; a bf16 base is the LoRA default
-            for optim in optimizers:
-                for ckpt in ckpts:
-                    for mb in micro_batches:
-                        attn = _attention(base_spec, dev, precision)[0]
-                        cand = Candidate(meth, precision, optim, ckpt, mb, per_rank // mb, attn, 0.0)
-                        candidates.append(cand)
+        for par in (["pinned"] if pinned_engine else _strategies(ranks, engine, meth)):
+            for precision in precisions:
+                if meth != "full" and precision == "pure-bf16":
+                    continue  # adapters train in fp32 under AMP; a bf16 base is the LoRA default
+                if par.startswith("zero") and precision not in ("bf16", "fp16"):
+                    continue  # DeepSpeed is planned in 16-bit with fp32 master weights
+                for optim in optimizers:
+                    if par not in ("single", "ddp", "pinned") and optim not in (
+                            "adamw_torch_fused", "adamw_torch") and "optim" not in pins:
+                        continue  # sharded/offloaded states: torch AdamW (DTensor, DeepSpeed)
+                    for ckpt in ckpts:
+                        for mb in micro_batches:
+                            attn = _attention(base_spec, dev, precision)[0]
+                            candidates.append(Candidate(meth, precision, optim, ckpt, mb,
+                                                        per_rank // mb, attn, 0.0, parallel=par))
 
     n_trainable_of: dict[str, int] = {}
 
-    def setup_of(c: Candidate) -> TrainingSetup:
+    def args_of(c: Candidate) -> dict[str, Any]:
         args = dict(pins)
         args.update(per_device_train_batch_size=c.micro_batch, gradient_accumulation_steps=c.grad_accum,
                     optim=c.optim, bf16=c.precision == "bf16", fp16=c.precision == "fp16")
@@ -556,20 +681,44 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
         if c.checkpointing:
             args["activation_checkpointing_kwargs"] = {"use_reentrant": False}
         args.setdefault("per_device_eval_batch_size", c.micro_batch)
+        if c.parallel.startswith("fsdp") and c.checkpointing:
+            args["activation_checkpointing"] = False  # FSDP's own (fsdp_config), as transformers
+            args.pop("activation_checkpointing_kwargs")  # asks; same memory
+        args.update(_parallel_args(c.parallel, ranks=ranks, micro_batch=c.micro_batch,
+                                   grad_accum=c.grad_accum, precision=c.precision,
+                                   checkpointing=c.checkpointing, hidden=hidden,
+                                   layer_class=layer_class,
+                                   max_grad_norm=float(pins.get("max_grad_norm", 1.0))))
+        return args
+
+    def setup_of(c: Candidate) -> TrainingSetup:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return normalize_args(args, source="plan")
+            setup = normalize_args(args_of(c), source="plan", num_gpus=ranks)
+        if c.parallel.startswith("fsdp") and c.checkpointing:
+            setup = setup.replace(checkpointing=True)  # applied by FSDP instead of the Trainer
+        return setup
 
     # model states alone (no trace): cheap lower bound that prunes hopeless setups
+    shardings: dict[tuple, Sharding] = {}
     for c in candidates:
         spec, _, _ = spec_for(c.method, c.precision)
         weights, trainable = _model_states(spec)
         n_trainable_of[c.method] = sum(p.numel for p in trainable)
         om = get_optimizer_profile(c.optim).estimate(trainable, OptimizerContext(dev.kind))
-        states = weights + sum(p.nbytes for p in trainable) + om.state
+        skey = (c.parallel, c.precision, c.grad_accum > 1)
+        if skey not in shardings:
+            shardings[skey] = setup_of(c).sharding
+        sh = shardings[skey]
+        rs = rank_states(sh, weight_bytes=weights, grad_bytes=sum(p.nbytes for p in trainable),
+                         n_trainable=n_trainable_of[c.method], optimizer_state=om.state,
+                         optimizer_transient=0, facts=_facts(spec)
+                         if sh.engine in ("fsdp", "deepspeed") else None,
+                         device_kind=dev.kind, load_itemsize=spec.dtype.itemsize)
+        states = rs.model_states + rs.buckets
         c.rel_time = _cost(c, n_params=n_params, n_trainable=n_trainable_of[c.method],
                            layers=layers, hidden=hidden, seq_len=seq_len, target=per_rank, dev=dev,
-                           heads=facts["num_attention_heads"] or 1)
+                           heads=facts["num_attention_heads"] or 1, sharding=sh, nodes=nodes)
         if states > budget:
             c.reason = (f"weights + gradients + optimizer state alone need "
                         f"{format_bytes(states)} > budget {format_bytes(budget)}")
@@ -578,17 +727,21 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
     # is known and every faster candidate was estimated
     chosen = None
     for meth in methods:
-        pool = sorted((c for c in candidates if c.method == meth and not c.reason),
-                      key=lambda c: c.rel_time)
-        for c in pool:
-            spec, _, _ = spec_for(c.method, c.precision)
-            est = estimate_for(spec, setup_of(c), dev, seq_len=seq_len, cache=cache)
-            c.estimate, c.device_used, c.peak_allocated = est, est.device_used, est.peak_allocated
-            c.fits = est.device_used <= budget
-            if c.fits:
-                chosen = c
+        for offload in (False, True):  # offload is the last rung of a method
+            pool = sorted((c for c in candidates if c.method == meth and not c.reason
+                           and (c.parallel in OFFLOAD_STRATEGIES) == offload),
+                          key=lambda c: c.rel_time)
+            for c in pool:
+                spec, _, _ = spec_for(c.method, c.precision)
+                est = estimate_for(spec, setup_of(c), dev, seq_len=seq_len, cache=cache)
+                c.estimate, c.device_used, c.peak_allocated = est, est.device_used, est.peak_allocated
+                c.fits = est.device_used <= budget
+                if c.fits:
+                    chosen = c
+                    break
+                c.reason = f"needs {format_bytes(est.device_used)} > budget {format_bytes(budget)}"
+            if chosen:
                 break
-            c.reason = f"needs {format_bytes(est.device_used)} > budget {format_bytes(budget)}"
         if chosen:
             break
         if meth == "full" and method == "auto" and len(methods) > 1:
@@ -622,6 +775,13 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
         notes.append(f"micro-batch {chosen.micro_batch} x {chosen.grad_accum} accumulation steps "
                      f"x {ranks} rank(s) = {target_batch_size}")
     ta = _training_args(chosen, pins, dev, eval_batch, ranks)
+    ta.update(_parallel_args(chosen.parallel, ranks=ranks, micro_batch=chosen.micro_batch,
+                             grad_accum=chosen.grad_accum, precision=chosen.precision,
+                             checkpointing=chosen.checkpointing, hidden=hidden,
+                             layer_class=layer_class,
+                             max_grad_norm=float(pins.get("max_grad_norm", 1.0))))
+    parallel = _parallel_summary(chosen, ta, setup_of(chosen).sharding, nodes, notes,
+                                 chosen.estimate)
     mk = {"attn_implementation": attn}
     load_dtype = _load_dtype(chosen.method, chosen.precision, dev)
     if chosen.method in KBIT_METHODS:  # loaded in half precision; prepare_model_for_kbit_training
@@ -633,10 +793,45 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
     acc = {"mixed_precision": {"bf16": "bf16", "fp16": "fp16"}.get(chosen.precision, "no"),
            "gradient_accumulation_steps": chosen.grad_accum,
            "optimizer": _optimizer_recipe(chosen.optim)}
+    if "fsdp_config" in ta:
+        from ._sharding import fsdp_plugin_args
+
+        acc["fsdp_plugin"] = fsdp_plugin_args(ta["fsdp_config"])
+    if "deepspeed" in ta and isinstance(ta["deepspeed"], dict):
+        acc["deepspeed_plugin"] = {"hf_ds_config": ta["deepspeed"]}
     return Plan(device=dev, model_name=_model_name(model, base_spec), seq_len=seq_len,
                 target_batch_size=target_batch_size, num_gpus=ranks, method=method,
                 budget=budget, training_args_kwargs=ta, model_kwargs=mk, peft_config=peft_cfg,
-                accelerator_kwargs=acc, candidates=candidates, notes=notes)
+                accelerator_kwargs=acc, candidates=candidates, notes=notes, num_nodes=nodes,
+                parallel=parallel)
+
+
+def _parallel_summary(c: Candidate, ta: dict[str, Any], sh: Sharding, nodes: int,
+                      notes: list[str], est: MemoryEstimate | None) -> dict[str, Any]:
+    """What the plan says about running on several GPUs (and checks its emitted configs)."""
+    if c.parallel == "single":
+        return {}
+    out: dict[str, Any] = {"strategy": c.parallel, "engine": sh.engine, "label": sh.label(),
+                           "num_nodes": nodes}
+    if sh.engine == "ddp":
+        notes.append(f"DDP: every rank holds a full replica ({sh.world_size} ranks); it fits, so "
+                     "no sharding (the fastest data-parallel engine)")
+    elif sh.engine == "fsdp":
+        notes.append(f"{sh.label()}: a replica does not fit one GPU; launch with accelerate or "
+                     "torchrun (FSDP through the Trainer needs CUDA)")
+        if ta.get("accelerator_config"):
+            notes.append("sync_each_batch=True: gradients are reduce-scattered every micro-step, "
+                         "so accumulation never holds unsharded gradients")
+    else:
+        validate_deepspeed_config(ta["deepspeed"], world_size=sh.world_size)
+        notes.append(f"{sh.label()}: DeepSpeed config in training_args_kwargs['deepspeed'] "
+                     "(write it with Plan.write_deepspeed_config)")
+    if est is not None and est.host_offloaded:
+        per_node = est.host_offloaded * (sh.world_size // max(1, nodes))
+        notes.append(f"offload keeps {format_bytes(per_node)} in host RAM per node "
+                     f"({format_bytes(est.host_offloaded)} per rank); check the nodes have it")
+        out["host_memory_per_node"] = per_node
+    return out
 
 
 def _load_dtype(method: str, precision: str, dev: DeviceInfo) -> torch.dtype | None:

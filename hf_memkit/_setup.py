@@ -16,8 +16,9 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from ._errors import ConfigError, did_you_mean
+from ._errors import ConfigError, HfMemkitError, did_you_mean
 from ._optimizers import get_optimizer_profile
+from ._sharding import Sharding, sharding_from_args
 
 # Settings that change memory which the estimator does not model yet: warned, never ignored.
 UNMODELLED = {
@@ -25,22 +26,6 @@ UNMODELLED = {
     "use_liger_kernel": "Liger kernels (fused cross-entropy, RMSNorm) change activation memory",
     "neftune_noise_alpha": "NEFTune adds a noise tensor per embedding output",
 }
-
-
-@dataclass(frozen=True)
-class Sharding:
-    """How model states are split and offloaded per rank (filled in by multi-GPU support).
-
-    Each factor divides the corresponding model state on one rank; 1 means replicated (DDP or a
-    single GPU). ``offload_*`` moves that state to host memory entirely.
-    """
-
-    world_size: int = 1
-    params: int = 1
-    grads: int = 1
-    optimizer: int = 1
-    offload_params: bool = False
-    offload_optimizer: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,6 +47,7 @@ class TrainingSetup:
     prediction_loss_only: bool = field(default=False, metadata={"help": "eval keeps no logits"})
     sharding: Sharding = field(default_factory=Sharding, metadata={"help": "per-rank split"})
     unmodelled: tuple[str, ...] = field(default=(), metadata={"help": "warned settings"})
+    notes: tuple[str, ...] = field(default=(), metadata={"help": "what reading the args assumed"})
 
     def replace(self, **changes: Any) -> TrainingSetup:
         return dataclasses.replace(self, **changes)
@@ -110,7 +96,7 @@ def resolve_checkpointing(d: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
 
 
 def normalize_args(args: TrainingArguments | dict[str, Any] | None, *,
-                   source: str = "args") -> TrainingSetup:
+                   source: str = "args", num_gpus: int | None = None) -> TrainingSetup:
     """Read what changes memory; gather every problem and raise them together."""
     d, is_ta = _as_dict(args)
     fields = training_args_fields()
@@ -148,9 +134,15 @@ def normalize_args(args: TrainingArguments | dict[str, Any] | None, *,
     unmodelled = [f"{k}: {why}" for k, why in UNMODELLED.items() if get(k)]
     if ckpt and ckpt_kwargs.get("offload"):
         unmodelled.append("activation offloading: saved activations move to host memory")
-    if get("fsdp") or get("deepspeed"):
-        unmodelled.append("fsdp/deepspeed: per-rank sharding is estimated by the multi-GPU "
-                          "support; this estimate is for one unsharded replica")
+    if num_gpus is not None and (not isinstance(num_gpus, int) or isinstance(num_gpus, bool)
+                                 or num_gpus < 1):
+        problems.append(f"num_gpus must be a positive integer, got {num_gpus!r}")
+        num_gpus = 1
+    sharding, sharding_notes = Sharding(), []
+    try:
+        sharding, sharding_notes = sharding_from_args(get, num_gpus)
+    except HfMemkitError as exc:
+        problems.append(str(exc))
     if problems:
         raise ConfigError(problems, source=source)
     for msg in unmodelled:
@@ -168,5 +160,7 @@ def normalize_args(args: TrainingArguments | dict[str, Any] | None, *,
         max_grad_norm=float(get("max_grad_norm") or 0.0),
         eval_accumulation_steps=int(eval_acc) if eval_acc else None,
         prediction_loss_only=bool(get("prediction_loss_only")),
+        sharding=sharding,
         unmodelled=tuple(unmodelled),
+        notes=tuple(sharding_notes),
     )
