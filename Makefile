@@ -27,7 +27,7 @@ $(VENV)/.dev: pyproject.toml constraints.txt $(VENV)/.torch
 	touch $@ $(VENV)/.demo
 
 demo: $(VENV)/.demo
-	$(VENV)/bin/hf-memkit demo
+	$(VENV)/bin/hf-memkit train recipes/tiny-llama/1m_full_cpu.yaml
 
 test: $(VENV)/.dev
 	$(VENV)/bin/python -m pytest -q

@@ -6,6 +6,7 @@ Data flow (see README):
     estimate_memory           -> MemoryEstimate
     plan_training             -> Plan (-> TrainingArguments, model kwargs, LoRA config)
     MemoryCallback, ThroughputCallback, OOMGuardTrainer: watch a run, survive an OOM
+    load_recipe               -> Recipe (a YAML training setup; hf-memkit plan/train RECIPE)
 """
 
 from ._device import DeviceInfo, get_device, list_devices, probe_device
@@ -13,6 +14,7 @@ from ._errors import ConfigError, HfMemkitError
 from ._estimate import MemoryEstimate, estimate_memory
 from ._plan import Candidate, Plan, auto_training_args, max_batch_size, max_seq_len, plan_training
 from ._profile import ModelProfile, profile_model
+from ._recipe import Recipe, load_recipe
 from ._version import __version__
 from .callbacks import (
     MemoryCallback,
@@ -37,12 +39,14 @@ __all__ = [
     "OOMRecovery",
     "OOMRecoveryError",
     "Plan",
+    "Recipe",
     "ThroughputCallback",
     "auto_training_args",
     "estimate_memory",
     "get_device",
     "is_oom_error",
     "list_devices",
+    "load_recipe",
     "max_batch_size",
     "max_seq_len",
     "plan_training",

@@ -40,13 +40,26 @@ def test_console_script_help_has_examples():
     assert "Examples:" in out
 
 
-def test_demo_trains_and_reports_memory(tmp_path):
-    r = run_demo(tmp_path / "out", steps=16, batch_size=4, seq_len=32)
-    assert r.steps == 16 and r.last_loss < r.first_loss   # it learned something
-    assert r.profile.total_params == 869_504
-    assert r.device.kind == "cpu"
-    # Training allocates at least the AdamW state (2 x 4 B x params) beyond what existed before.
-    assert r.peak_rss_during_train is None or r.peak_rss_during_train > 8 * r.profile.total_params
+def test_demo_trains_the_tiny_recipe_and_reports_memory(tmp_path, capsys):
+    """`hf-memkit demo` = `hf-memkit train` on the bundled tiny CPU recipe: plan, model, logs, PNG."""
+    out_dir = tmp_path / "out"
+    assert main(["demo", "--steps", "4", "--output-dir", str(out_dir)]) == 0
+    text = capsys.readouterr().out
+    assert "This machine" in text and "hf-memkit plan" in text and "predicted memory" in text
+    assert "memory at each logging step" in text and "loss (first -> last log)" in text
+    assert (out_dir / "model.safetensors").is_file()
+    report = json.loads((out_dir / "memory_report.json").read_text())
+    assert [s["step"] for s in report["steps"]] == [2, 4]      # logging_steps shortened to 2
+    # the run allocates at least AdamW's state (2 x 4 B x params) beyond the weights
+    assert report["summary"]["max_peak_allocated"] > 8 * 869_504
+    assert ((out_dir / "memory_timeline.png").is_file()
+            or not mk._compat.is_matplotlib_available())
+
+
+def test_run_demo_returns_the_run(tmp_path):
+    r = run_demo(tmp_path / "o", steps=2)
+    assert r.steps == 2 and r.device == "cpu" and r.plan.chosen.method == "full"
+    assert r.model_dir == str(tmp_path / "o")
 
 
 def test_estimate_command_matches_api(capsys):

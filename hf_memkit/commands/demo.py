@@ -1,4 +1,5 @@
-"""``hf-memkit demo``: the end-to-end slice a newcomer runs first (README)."""
+"""``hf-memkit demo``: the end-to-end slice a newcomer runs first (README) = ``hf-memkit train``
+on the bundled tiny CPU recipe."""
 
 from __future__ import annotations
 
@@ -6,37 +7,34 @@ import argparse
 
 from rich.console import Console
 
-from .._demo import run_demo
-from .._render import device_table, profile_table
-from .._units import format_bytes
+from .._demo import DEMO_RECIPE
+from .._device import probe_device
+from .._render import device_table
+from .train import run_train
 
 
 def demo_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "demo", help="probe, profile and train a tiny Llama on this machine",
-        description="Probe this machine, profile a tiny Llama built from a config, train it on "
-                    "synthetic data through transformers.Trainer and report memory used.",
-        epilog="Examples:\n  hf-memkit demo\n  hf-memkit demo --steps 20 --output-dir /tmp/demo",
+        "demo", help=f"train the tiny CPU recipe ({DEMO_RECIPE}) end to end",
+        description="Probe this machine, then `hf-memkit train` the bundled tiny Llama recipe "
+                    f"({DEMO_RECIPE}): the plan, a progress bar, the memory logs (predicted vs "
+                    "measured), the trained model, memory_report.json and memory_timeline.png.",
+        epilog="Examples:\n  hf-memkit demo\n  hf-memkit demo --steps 20 --output-dir /tmp/demo\n"
+               f"  hf-memkit train {DEMO_RECIPE}      # the same run",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40)")
-    p.add_argument("--output-dir", default="demo_output", help="Trainer output_dir")
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps (default: the recipe's max_steps, 40)")
+    p.add_argument("--output-dir", default=None, help="where the model and reports go "
+                                                      "(default: the recipe's, demo_output)")
     return p
 
 
 def demo_command(args: argparse.Namespace) -> int:
     console = Console()
-    r = run_demo(args.output_dir, steps=args.steps)
-    console.print(device_table(r.device, title="This machine"))
-    console.print(profile_table(r.profile))
-    console.print(
-        f"Trained {r.steps} steps in {r.seconds:.1f} s: loss {r.first_loss:.3f} -> {r.last_loss:.3f}"
-    )
-    console.print(
-        f"Process memory: {format_bytes(r.rss_before_train)} resident before training, "
-        f"training added at most {format_bytes(r.peak_rss_during_train)} (peak RSS, /proc VmHWM)"
-    )
-    return 0
+    console.print(device_table(probe_device(), title="This machine"))
+    return run_train(DEMO_RECIPE, output_dir=args.output_dir, max_steps=args.steps,
+                     console=console)
 
 
 def register(sub) -> None:

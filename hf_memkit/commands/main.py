@@ -9,9 +9,10 @@ import argparse
 import sys
 
 from .._errors import HfMemkitError
-from . import demo, devices, estimate, plan, probe
+from .._train import TrainingFailed
+from . import demo, devices, estimate, plan, probe, recipes, train
 
-COMMANDS = (devices, probe, estimate, plan, demo)
+COMMANDS = (devices, probe, estimate, plan, train, recipes, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,7 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Examples:\n  hf-memkit devices\n  hf-memkit probe --json\n"
                "  hf-memkit estimate Llama-3.1-8B --gpu RTX-4090 --seq-len 2048 --batch 1 bf16=true\n"
                "  hf-memkit plan Llama-3.1-8B --gpu RTX-4090 --seq-len 2048 --target-batch 32\n"
-               "  hf-memkit demo",
+               "  hf-memkit plan recipes/llama-3.1/8b_qlora_rtx4090.yaml --json\n"
+               "  hf-memkit train recipes/tiny-llama/1m_full_cpu.yaml\n"
+               "  hf-memkit recipes validate\n"
+               "  hf-memkit demo\n"
+               "Exit codes: 0 success, 2 bad input (message on stderr), 1 a failed run.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -48,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     except HfMemkitError as exc:
         print(f"hf-memkit {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except TrainingFailed as exc:
+        print(f"hf-memkit {args.command}: run failed: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,48 +1,88 @@
-"""``hf-memkit plan``: the fastest training setup that fits, explained."""
+"""``hf-memkit plan``: the fastest training setup that fits, explained (for a model or a recipe)."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from rich.console import Console
 
+from .._errors import HfMemkitError
 from .._plan import plan_training
 from .estimate import _field
+
+RECIPE_SUFFIXES = (".yaml", ".yml")
 
 
 def plan_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "plan", help="choose the fastest setup that fits a GPU",
+        "plan", help="choose the fastest setup that fits a GPU (for a model or a recipe)",
         description="Search precision, micro-batch/accumulation, optimizer, checkpointing and "
-                    "LoRA/QLoRA for MODEL on a GPU and print the choice with every alternative.",
+                    "LoRA/QLoRA for MODEL on a GPU and print the choice with every alternative. "
+                    "Given a RECIPE (.yaml), its values are the defaults and the flags below "
+                    "override them.",
         epilog="Examples:\n"
                "  hf-memkit plan Llama-3.1-8B --gpu RTX-4090 --seq-len 2048 --target-batch 32\n"
                "  hf-memkit plan Llama-3.1-70B --gpu H100-80GB --seq-len 4096 --target-batch 16 "
                "--json\n"
-               "  hf-memkit plan gpt2 --gpu T4 --seq-len 1024 --target-batch 64 --method full",
+               "  hf-memkit plan gpt2 --gpu T4 --seq-len 1024 --target-batch 64 --method full\n"
+               "  hf-memkit plan recipes/llama-3.1/8b_qlora_rtx4090.yaml\n"
+               "  hf-memkit plan recipes/llama-3.1/8b_qlora_rtx4090.yaml --gpu A10G --seq-len 1024",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model", help="bundled model name or local directory with config.json")
+    p.add_argument("model", metavar="MODEL|RECIPE",
+                   help="bundled model name, local directory with config.json, or a recipe "
+                        "(.yaml file or bundled recipe name; hf-memkit recipes list)")
     p.add_argument("fields", nargs="*", metavar="FIELD=VALUE", type=_field,
                    help="TrainingArguments fields to pin, e.g. optim=adamw_torch_fused")
-    p.add_argument("--gpu", default=None, help="catalog GPU or 'cpu'; default: this machine")
+    p.add_argument("--gpu", default=None, help="catalog GPU or 'cpu'; default: this machine "
+                                               "(or the recipe's hardware.device)")
     p.add_argument("--num-gpus", type=int, default=None, help="data-parallel ranks")
-    p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--target-batch", type=int, required=True, help="effective batch size")
-    p.add_argument("--method", default="auto", choices=("auto", "full", "lora", "qlora"))
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sequence (required without a recipe)")
+    p.add_argument("--target-batch", type=int, default=None,
+                   help="effective batch size (required without a recipe)")
+    p.add_argument("--method", default=None, choices=("auto", "full", "lora", "qlora"),
+                   help="default: auto (or the recipe's)")
     p.add_argument("--max-memory", default=None, help="explicit budget, e.g. 20GiB")
-    p.add_argument("--headroom", type=float, default=0.1, help="fraction of memory kept free")
+    p.add_argument("--headroom", type=float, default=None,
+                   help="fraction of memory kept free (default 0.1)")
     p.add_argument("--task", default=None, help="head: causal-lm, sequence-classification, ...")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
 
+def is_recipe_ref(ref: str) -> bool:
+    """A ``.yaml`` path, or the name of a bundled recipe (``llama-3.1/8b_qlora_rtx4090``)."""
+    if Path(ref).suffix in RECIPE_SUFFIXES:
+        return True
+    if Path(ref).exists():
+        return False
+    from .._recipe import bundled_recipes_dir
+
+    root = bundled_recipes_dir()
+    return root is not None and (root / f"{ref}.yaml").is_file()
+
+
 def plan_command(args: argparse.Namespace) -> int:
     pins = dict(args.fields)
-    plan = plan_training(args.model, seq_len=args.seq_len, target_batch_size=args.target_batch,
-                         device=args.gpu, num_gpus=args.num_gpus, method=args.method,
-                         headroom=args.headroom, max_memory=args.max_memory, task=args.task,
-                         **pins)
+    cli = dict(device=args.gpu, num_gpus=args.num_gpus, seq_len=args.seq_len,
+               target_batch_size=args.target_batch, method=args.method,
+               max_memory=args.max_memory, headroom=args.headroom, task=args.task)
+    if is_recipe_ref(args.model):
+        from .._recipe import load_recipe
+
+        recipe = load_recipe(args.model)
+        kwargs = recipe.plan_kwargs(**cli, **pins)
+    else:
+        missing = [flag for flag, v in (("--seq-len", args.seq_len),
+                                        ("--target-batch", args.target_batch)) if v is None]
+        if missing:
+            raise HfMemkitError(f"{' and '.join(missing)} required when planning a model "
+                                f"(`{args.model}`); or give a recipe .yaml that sets them")
+        kwargs = dict(model=args.model, **{k: v for k, v in cli.items() if v is not None},
+                      **pins)
+    plan = plan_training(**kwargs)
     if args.json:
         print(plan.to_json(indent=2))
     else:
