@@ -64,6 +64,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -93,9 +94,13 @@ def measure_distributed_peak(spec: dict[str, Any], *, nproc: int = 2,
     ``activation_checkpointing`` (False), ``transformer_layer_cls_to_wrap`` (the model's
     ``_no_split_modules``).
 
-    Returns ``{"mode", "nproc", "peak" (max over ranks), "losses" (per step, mean over ranks),
-    "ranks": [{"rank", "peak", "steps": [...], "local_param_bytes", "local_grad_bytes",
-    "local_optimizer_bytes", "full_param_bytes", "param_digest", "data_digest", "losses", ...}]}``.
+    Returns ``{"mode", "nproc", "peak" (max over ranks), "losses" (per optimizer step, mean over
+    ranks), "ranks": [...]}``; each rank: ``rank``, ``world_size``, ``peak`` (its largest steady
+    step), ``steps`` (per step: ``peak``, ``alive_open``, ``seconds``, ``grad_bytes``),
+    ``local_param_bytes`` / ``local_grad_bytes`` / ``local_optimizer_bytes`` (what this rank
+    holds: DTensor local shards under FSDP2), ``full_param_bytes``, ``optimizer_impl``,
+    ``data_digest`` (its first batch), and ``ddp`` (buckets, ``param_digest`` before/after) or
+    ``fsdp`` (the FSDP units and their ``reshard_after_forward``, policies).
     Raises ``ValueError`` on a bad spec and ``RuntimeError`` (with the ranks' stderr tail) when
     the run fails.
     """
@@ -108,44 +113,71 @@ def measure_distributed_peak(spec: dict[str, Any], *, nproc: int = 2,
     env.update(MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
                TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false",
                PYTHONWARNINGS="ignore")
-    last_err = ""
-    for _attempt in range(2):  # a free port can be taken between the probe and torchrun's bind
-        with tempfile.TemporaryDirectory(prefix="hf_memkit_dist_") as out:
-            env[_OUT_ENV] = out
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-                   "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-                   "--master_port", str(_free_port()), "--module", "hf_memkit._groundtruth_dist",
-                   json.dumps(spec)]
-            try:
-                proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                                      timeout=timeout)
-            except subprocess.TimeoutExpired as e:
-                tail = (e.stderr or b"")[-3000:]
-                tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-                raise RuntimeError(f"distributed measurement ({spec['mode']}, {nproc} ranks) "
-                                   f"timed out after {timeout:.0f} s; stderr tail:\n{tail}") from e
-            ranks = []
-            for r in range(nproc):
-                path = os.path.join(out, f"rank{r}.json")
-                if os.path.exists(path):
-                    with open(path) as f:
-                        ranks.append(json.load(f))
+    for attempt in range(2):  # a free port can be taken between the probe and torchrun's bind
+        proc, ranks = _launch(spec, nproc, env, timeout)
         if proc.returncode == 0 and len(ranks) == nproc:
             break
-        last_err = proc.stderr
-        if "address already in use" not in proc.stderr.lower():
-            break
-    else:
-        ranks = []
-    if proc.returncode != 0 or len(ranks) != nproc:
-        raise RuntimeError(
-            f"distributed measurement ({spec['mode']}, {nproc} ranks) failed: torchrun exit "
-            f"{proc.returncode}, {len(ranks)} of {nproc} ranks reported; stderr tail:\n"
-            f"{(last_err or proc.stderr)[-4000:]}")
+        if attempt or "address already in use" not in proc.stderr.lower():
+            raise RuntimeError(
+                f"distributed measurement ({spec['mode']}, {nproc} ranks) failed: torchrun exit "
+                f"{proc.returncode}, {len(ranks)} of {nproc} ranks reported; stderr tail:\n"
+                f"{proc.stderr[-4000:]}")
     n_steps = min(len(r["losses"]) for r in ranks)
     losses = [sum(r["losses"][i] for r in ranks) / nproc for i in range(n_steps)]
     return {"mode": spec["mode"], "nproc": nproc, "peak": max(r["peak"] for r in ranks),
             "losses": losses, "ranks": ranks}
+
+
+def _launch(spec: dict[str, Any], nproc: int, env: dict[str, str],
+            timeout: float) -> tuple[subprocess.CompletedProcess, list[dict[str, Any]]]:
+    with tempfile.TemporaryDirectory(prefix="hf_memkit_dist_") as out:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+               "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+               "--master_port", str(_free_port()), "--module", "hf_memkit._groundtruth_dist",
+               json.dumps(spec)]
+        log_path = os.path.join(out, "torchrun.log")
+        with open(log_path, "w") as log:  # a file, not a pipe: nothing can block on reading it
+            popen = subprocess.Popen(cmd, env={**env, _OUT_ENV: out}, stdout=log,
+                                     stderr=subprocess.STDOUT, text=True)
+            try:
+                popen.wait(timeout=timeout)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                _stop(popen, out)
+                timed_out = True
+        with open(log_path, errors="replace") as log:
+            output = log.read()
+        if timed_out:
+            raise RuntimeError(f"distributed measurement ({spec['mode']}, {nproc} ranks) timed "
+                               f"out after {timeout:.0f} s; output tail:\n{output[-3000:]}")
+        ranks = []
+        for r in range(nproc):
+            path = os.path.join(out, f"rank{r}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    ranks.append(json.load(f))
+    return subprocess.CompletedProcess(cmd, popen.returncode, "", output), ranks
+
+
+def _stop(popen: subprocess.Popen, out: str) -> None:
+    """End a torchrun that ran past its time and the ranks it started (each in its own session).
+
+    SIGTERM lets torchrun's agent stop its workers; ranks still alive after that (recorded in
+    ``pid<rank>`` files when they start) and torchrun itself are then killed.
+    """
+    popen.terminate()
+    try:
+        popen.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        popen.kill()
+        popen.wait()
+    for name in os.listdir(out):
+        if name.startswith("pid"):
+            try:
+                with open(os.path.join(out, name)) as f:
+                    os.kill(int(f.read()), signal.SIGKILL)
+            except (OSError, ValueError):  # already gone
+                pass
 
 
 def _check_spec(spec: dict[str, Any], nproc: int) -> None:
@@ -312,7 +344,7 @@ def _adam_impl(opt) -> str:
     return "fused" if d.get("fused") else "foreach" if d.get("foreach") else "single-tensor"
 
 
-def _fsdp2_prepare(spec: dict[str, Any], model, args):
+def _fsdp2_prepare(model, args):
     """accelerate's own FSDP2 preparation (``fsdp2_apply_ac`` + ``fsdp2_prepare_model``)."""
     import types
 
@@ -365,7 +397,7 @@ def _run_fsdp2(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
     bf16 = fs.get("mixed_precision") == "bf16" or bool(spec.get("args", {}).get("bf16"))
     args = _training_args(spec, workdir, steps, fsdp=True, fsdp_config=fsdp_config, bf16=bf16)
     full_param_bytes = sum(_tensor_bytes(p) for p in model.parameters())
-    model, plugin = _fsdp2_prepare(spec, model, args)
+    model, plugin = _fsdp2_prepare(model, args)
     model.train()
     units = [{"module": name or "<root>", "reshard_after_forward": _reshards(m)}
              for name, m in model.named_modules() if isinstance(m, FSDPModule)]
@@ -412,6 +444,8 @@ def _run_fsdp2(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
 
 
 def _rank_main(spec: dict[str, Any]) -> dict[str, Any]:
+    with open(os.path.join(os.environ[_OUT_ENV], f"pid{os.environ.get('RANK', '0')}"), "w") as f:
+        f.write(str(os.getpid()))  # so that the parent can end this rank after a timeout
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":
         raise RuntimeError("MALLOC_MMAP_THRESHOLD_=65536 must be set when the process starts")
     with tempfile.TemporaryDirectory() as workdir:

@@ -1,0 +1,58 @@
+"""The 2-process CPU sharding cases: one spec each for ``measure_distributed_peak``.
+
+Shared by ``bench/dist_measure.py`` (measures them) and ``bench/sharding.py`` (estimates them and
+compares). A small Llama (hidden 256, 4 layers, vocab 8192, untied head: 7.4 M parameters,
+28 MiB of fp32 weights, 113 MiB of fp32 AdamW model states) is big enough that model states
+dominate the per-rank peak and small enough that each case trains in well under a minute.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import LlamaConfig
+
+NPROC = 2
+SEQ_LEN = 256
+MICRO_BATCH = 4
+STEPS = 5
+
+LLAMA = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=8192,
+                    max_position_embeddings=1024, tie_word_embeddings=False,
+                    attention_dropout=0.0)
+
+
+def _spec(name: str, mode: str, *, fsdp: dict[str, Any] | None = None,
+          **args: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "name": name, "mode": mode, "config": LLAMA.to_dict(), "seq_len": SEQ_LEN,
+        "steps": STEPS,
+        # the Trainer's default optimizer (fused AdamW) and clipping, every run in fp32 unless
+        # the case says otherwise
+        "args": {"per_device_train_batch_size": MICRO_BATCH, "optim": "adamw_torch_fused",
+                 "max_grad_norm": 1.0, **args},
+    }
+    if fsdp is not None:
+        spec["fsdp"] = fsdp
+    return spec
+
+
+def cases() -> list[dict[str, Any]]:
+    """~6 per-rank cases over ``NPROC`` gloo ranks; ``name`` is the row label (ignored by the
+    measurement). FSDP2 cases wrap ``LlamaDecoderLayer`` as accelerate does."""
+    wrap = ["LlamaDecoderLayer"]
+    return [
+        _spec("ddp-fp32-adamw", "ddp"),
+        _spec("ddp-fp32-adamw-accum2", "ddp", gradient_accumulation_steps=2),
+        _spec("fsdp2-full-shard", "fsdp2",
+              fsdp={"reshard_after_forward": True, "transformer_layer_cls_to_wrap": wrap}),
+        _spec("fsdp2-shard-grad-op", "fsdp2",
+              fsdp={"reshard_after_forward": False, "transformer_layer_cls_to_wrap": wrap}),
+        _spec("fsdp2-full-shard-offload", "fsdp2",
+              fsdp={"reshard_after_forward": True, "offload": True,
+                    "transformer_layer_cls_to_wrap": wrap}),
+        _spec("fsdp2-full-shard-bf16", "fsdp2",
+              fsdp={"reshard_after_forward": True, "mixed_precision": "bf16",
+                    "transformer_layer_cls_to_wrap": wrap}),
+    ]

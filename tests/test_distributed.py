@@ -1,0 +1,100 @@
+"""Two real gloo ranks on this CPU (torchrun): DDP through the Trainer and FSDP2 through
+accelerate's own FSDP2 preparation, measured per rank by ``hf_memkit._groundtruth_dist``."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_memkit._groundtruth_dist import measure_distributed_peak
+from hf_memkit._synthetic import tiny_llama_config
+
+# 2 layers, vocab 2048: model states (~4.6 MiB fp32 AdamW states per full replica) are a visible
+# part of the peak at seq 64; learnable counting sequences so the loss falls in a few steps.
+CONFIG = tiny_llama_config(num_hidden_layers=2, vocab_size=2048).to_dict()
+
+
+def _spec(mode: str, **kw) -> dict:
+    spec = {"mode": mode, "config": CONFIG, "seq_len": 64, "steps": 4, "learnable": True,
+            "args": {"per_device_train_batch_size": 4, "learning_rate": 3e-3}}
+    spec.update(kw)
+    return spec
+
+
+@pytest.fixture(scope="module")
+def ddp():
+    return measure_distributed_peak(_spec("ddp"), nproc=2)
+
+
+@pytest.fixture(scope="module")
+def fsdp2():
+    return measure_distributed_peak(
+        _spec("fsdp2", fsdp={"reshard_after_forward": True,
+                             "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}), nproc=2)
+
+
+def test_ddp_through_trainer_trains_in_sync(ddp):
+    r0, r1 = ddp["ranks"]
+    assert (r0["rank"], r1["rank"]) == (0, 1) and r0["world_size"] == 2
+    assert r0["ddp"]["wrapper"] == "DistributedDataParallel"
+    # each rank saw different samples, yet all-reduced gradients keep the replicas identical
+    assert r0["data_digest"] != r1["data_digest"]
+    assert r0["param_digest"] == r1["param_digest"] != r0["param_digest_initial"]
+    assert r0["param_digest_initial"] == r1["param_digest_initial"]
+    losses = ddp["losses"]
+    assert len(losses) == 4 and all(0 < x < 20 for x in losses)
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
+def test_ddp_per_rank_states_and_buckets(ddp):
+    for rk in ddp["ranks"]:
+        n = rk["local_param_bytes"]
+        assert n == rk["full_param_bytes"]                   # a full replica per rank
+        assert rk["local_grad_bytes"] == n
+        assert rk["local_optimizer_bytes"] >= 2 * n          # AdamW exp_avg + exp_avg_sq
+        # the Trainer's DDP keeps its own flat buckets (gradient_as_bucket_view=False): one
+        # more copy of every gradient, counted at each window opening
+        assert rk["ddp"]["gradient_as_bucket_view"] is False
+        assert rk["ddp"]["bucket_bytes"] == n
+        states = n + rk["local_grad_bytes"] + rk["local_optimizer_bytes"] + rk["ddp"]["bucket_bytes"]
+        assert rk["peak"] > states
+        assert all(s["peak"] >= s["alive_open"] for s in rk["steps"])
+    peaks = [rk["peak"] for rk in ddp["ranks"]]
+    assert max(peaks) < 1.05 * min(peaks)                    # same shapes on both ranks
+
+
+def test_fsdp2_shards_states_and_trains(fsdp2):
+    for rk in fsdp2["ranks"]:
+        full = rk["full_param_bytes"]
+        assert rk["local_param_bytes"] == pytest.approx(full / 2, rel=0.02)
+        assert rk["local_grad_bytes"] == rk["local_param_bytes"]   # sharded gradients
+        assert rk["local_optimizer_bytes"] == pytest.approx(2 * rk["local_param_bytes"], rel=0.01)
+        units = {u["module"]: u["reshard_after_forward"] for u in rk["fsdp"]["units"]}
+        assert units["model.layers.0"] is True and units["model.layers.1"] is True
+        assert units["lm_head"] is False                           # accelerate's tail group
+        # the peak holds this rank's states plus gathered layers and activations
+        assert rk["peak"] > rk["local_param_bytes"] + rk["local_grad_bytes"] + rk[
+            "local_optimizer_bytes"]
+        assert rk["optimizer_impl"] == "fused"                    # Trainer default works on DTensor
+    r0, r1 = fsdp2["ranks"]
+    assert r0["data_digest"] != r1["data_digest"]                 # data seeded by rank
+    losses = fsdp2["losses"]
+    assert all(0 < x < 20 for x in losses) and losses[-1] < losses[0] - 0.1, losses
+
+
+def test_fsdp2_needs_less_per_rank_than_ddp(ddp, fsdp2):
+    # same model, data shapes and optimizer: sharding halves every state on each rank
+    assert max(r["peak"] for r in fsdp2["ranks"]) < min(r["peak"] for r in ddp["ranks"])
+
+
+def test_bad_spec_is_rejected_before_launch():
+    with pytest.raises(ValueError, match="mode 'zero3' is not one of ddp, fsdp2"):
+        measure_distributed_peak({"mode": "zero3", "config": CONFIG, "seq_len": 64})
+    with pytest.raises(ValueError, match="unknown fsdp option"):
+        measure_distributed_peak(_spec("fsdp2", fsdp={"sharding_strategy": "FULL_SHARD"}))
+
+
+def test_failing_rank_raises_with_its_stderr():
+    bad = dict(CONFIG, hidden_size=130)   # not a multiple of 4 heads: every rank fails to build it
+    with pytest.raises(RuntimeError,
+                       match=r"(?s)0 of 2 ranks reported.*not a multiple of the number of attention"):
+        measure_distributed_peak(_spec("fsdp2", config=bad), nproc=2, timeout=300)
