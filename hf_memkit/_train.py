@@ -152,7 +152,10 @@ def build_model(recipe: Recipe, plan: Any, task: str) -> torch.nn.Module:
     with tempfile.TemporaryDirectory(prefix="hf_memkit_init_") as tmp:
         model.save_pretrained(tmp)
         del model
-        return auto.from_pretrained(tmp, quantization_config=quant, **kwargs, **load_kw)
+        model = auto.from_pretrained(tmp, quantization_config=quant, **kwargs, **load_kw)
+    # name the real base (the adapter config records it), not the deleted temporary directory
+    model.name_or_path = model.config._name_or_path = recipe.model
+    return model
 
 
 # ----------------------------------------------------------------------------------------------

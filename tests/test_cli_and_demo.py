@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import hf_memkit as mk
-from hf_memkit._demo import run_demo
 from hf_memkit.commands.main import main
 
 
@@ -54,12 +53,6 @@ def test_demo_trains_the_tiny_recipe_and_reports_memory(tmp_path, capsys):
     assert report["summary"]["max_peak_allocated"] > 8 * 869_504
     assert ((out_dir / "memory_timeline.png").is_file()
             or not mk._compat.is_matplotlib_available())
-
-
-def test_run_demo_returns_the_run(tmp_path):
-    r = run_demo(tmp_path / "o", steps=2)
-    assert r.steps == 2 and r.device == "cpu" and r.plan.chosen.method == "full"
-    assert r.model_dir == str(tmp_path / "o")
 
 
 def test_estimate_command_matches_api(capsys):
