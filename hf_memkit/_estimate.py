@@ -78,6 +78,8 @@ class MemoryEstimate:
         "help": "Bytes an offloading engine keeps in host memory for this rank."})
     trace_seconds: float = field(default=0.0, repr=False)
     traced_layers: tuple[int, ...] = field(default=(), repr=False)
+    lower_bound: bool = field(default=False, repr=False, metadata={
+        "help": "True when the planner only bounded this setup from below (it did not fit)."})
 
     @property
     def band(self) -> tuple[int, int]:
@@ -273,6 +275,7 @@ class _Excess:
     inputs: int
     seconds: float
     layers: tuple[int, ...]
+    lower_bound: bool = False              # extrapolated in the micro-batch (TraceCache)
 
 
 def _trace_excess(spec: _ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: str,
@@ -360,17 +363,21 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int, device: Any =
 class TraceCache:
     """Memoised traces for many estimates of one model (the planner's search).
 
-    Activations grow linearly in the micro-batch at a fixed sequence length (every activation
-    is batch-major; weight-sized temporaries such as autocast's cache are constant), so each
-    trace configuration is traced at micro-batch 1 and 2 and extrapolated; the test suite checks
-    the extrapolation against direct traces.
+    A phase's peak is the max over the moments of the step of memory that is linear in the
+    micro-batch (activations are batch-major; weight-sized temporaries are constant), so it is
+    convex and piecewise linear in the batch: e.g. the start of the backward grows with the batch
+    while its end is dominated by gradients. A line through the traces at micro-batch 1 and 2,
+    extended to a larger batch, is therefore a *lower bound* (convexity): the planner uses it to
+    reject setups cheaply, and traces the exact batch (``exact=True``) before accepting one.
+    One trace per (model, precision, checkpointing, sequence, batch); optimizers, engines and
+    accumulation share it.
     """
 
     def __init__(self) -> None:
         self._store: dict[tuple, _Excess] = {}
 
     def excess(self, spec: _ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: str,
-               target_len: int | None, padded: bool) -> _Excess:
+               target_len: int | None, padded: bool, exact: bool = True) -> _Excess:
         # traced with two micro-steps: one trace serves accumulating and non-accumulating setups
         # (the accumulating phases are dropped when grad_accum == 1)
         accumulating = stage == "train" and setup.grad_accum > 1
@@ -385,32 +392,34 @@ class TraceCache:
                                   grad_accum=2 if stage == "train" else 1)
                 self._store[k] = _trace_excess(spec, s, seq_len=seq_len, stage=stage,
                                                target_len=target_len, padded=padded)
-            e = self._store[k]
-            if stage == "train":  # the Trainer prefetches all micro-batches of a step
-                phases = e.phases if accumulating else {
-                    p: v for p, v in e.phases.items() if not p.endswith("_accum")}
-                e = _Excess(phases, e.categories, e.inputs // 2 * setup.grad_accum, e.seconds,
-                            e.layers)
-            return e
+            return self._store[k]
 
-        if batch <= 2:
-            return at(batch)
-        e1, e2 = at(1), at(2)
-        m = batch - 1
+        if exact or batch <= 2 or key + (batch,) in self._store:
+            e = at(batch)
+        else:  # lower bound (see the class docstring)
+            e1, e2 = at(1), at(2)
+            m = batch - 1
 
-        def lin(x1: int, x2: int) -> int:
-            return int(x1 + (x2 - x1) * m)
+            def lin(x1: int, x2: int) -> int:
+                return int(x1 + (x2 - x1) * m)
 
-        return _Excess({k: lin(e1.phases[k], e2.phases[k]) for k in e1.phases},
-                       {p: {c: max(0, lin(e1.categories[p][c], e2.categories[p][c]))
-                            for c in e1.categories[p]} for p in e1.categories},
-                       lin(e1.inputs, e2.inputs), 0.0, e1.layers)
+            e = _Excess({k: lin(e1.phases[k], e2.phases[k]) for k in e1.phases},
+                        {p: {c: max(0, lin(e1.categories[p][c], e2.categories[p][c]))
+                             for c in e1.categories[p]} for p in e1.categories},
+                        lin(e1.inputs, e2.inputs), 0.0, e1.layers, lower_bound=True)
+        if stage == "train":  # the Trainer prefetches all micro-batches of a step
+            phases = e.phases if accumulating else {
+                p: v for p, v in e.phases.items() if not p.endswith("_accum")}
+            e = _Excess(phases, e.categories, e.inputs // 2 * setup.grad_accum, e.seconds,
+                        e.layers, e.lower_bound)
+        return e
 
 
 def estimate_for(spec: _ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_len: int,
                  stage: str = "train", target_len: int | None = None, padded: bool = False,
-                 cache: TraceCache | None = None) -> MemoryEstimate:
-    """``estimate_memory`` for an already resolved model and setup (the planner's entry)."""
+                 cache: TraceCache | None = None, exact: bool = True) -> MemoryEstimate:
+    """``estimate_memory`` for an already resolved model and setup (the planner's entry).
+    ``exact=False`` with a cache may return a lower bound (``MemoryEstimate.lower_bound``)."""
     notes: list[str] = []
     if setup.checkpointing and not spec.supports_checkpointing:
         raise HfMemkitError(
@@ -453,7 +462,7 @@ def estimate_for(spec: _ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq
     trace_spec, trace_setup = _trace_variant(spec, setup)
     if cache is not None:
         ex = cache.excess(trace_spec, trace_setup, seq_len=seq_len, stage=stage,
-                          target_len=target_len, padded=padded)
+                          target_len=target_len, padded=padded, exact=exact)
     else:
         ex = _trace_excess(trace_spec, trace_setup, seq_len=seq_len, stage=stage,
                            target_len=target_len, padded=padded)
@@ -544,6 +553,7 @@ def estimate_for(spec: _ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq
         peak_phase=phase, stage=stage, device=dev, setup=setup, seq_len=seq_len,
         uncertainty=rel, notes=notes, trace_seconds=ex.seconds, traced_layers=ex.layers,
         model_states=int(rs.model_states), host_offloaded=int(rs.host),
+        lower_bound=ex.lower_bound,
     )
 
 
@@ -557,8 +567,9 @@ def _facts(spec: _ModelSpec):
 
 def _trace_variant(spec: _ModelSpec, setup: TrainingSetup) -> tuple[_ModelSpec, TrainingSetup]:
     """What each rank computes with. FSDP2 with mixed precision gathers 16-bit parameters
-    (MixedPrecisionPolicy) under autocast, so autocast makes no weight copies; DeepSpeed in
-    16-bit keeps the model itself in 16-bit and runs without autocast."""
+    (accelerate's MixedPrecisionPolicy) and the Trainer adds no autocast on that path
+    (``Accelerator.prepare`` skips ``prepare_model`` for FSDP2); DeepSpeed in 16-bit keeps the
+    model itself in 16-bit, without autocast. Either way: a 16-bit model, no autocast copies."""
     sh = setup.sharding
     if (sh.engine not in ("fsdp", "deepspeed") or not setup.amp
             or spec.dtype != torch.float32 or spec.quant_bits):
@@ -567,4 +578,4 @@ def _trace_variant(spec: _ModelSpec, setup: TrainingSetup) -> tuple[_ModelSpec, 
     variants = spec.__dict__.setdefault("_half", {})
     if half not in variants:
         variants[half] = dataclasses.replace(spec, dtype=half)
-    return variants[half], setup.replace(amp=None) if sh.engine == "deepspeed" else setup
+    return variants[half], setup.replace(amp=None)

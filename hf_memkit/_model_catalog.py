@@ -36,6 +36,7 @@ _HUB_IDS = {
     "Qwen/Qwen2.5-7B": "Qwen2.5-7B",
     "Qwen/Qwen2.5-7B-Instruct": "Qwen2.5-7B",
     "openai-community/gpt2": "gpt2",
+    "openai-community/gpt2-xl": "gpt2-xl",
     "google-bert/bert-base-uncased": "bert-base-uncased",
     "google-bert/bert-large-uncased": "bert-large-uncased",
     "FacebookAI/xlm-roberta-large": "xlm-roberta-large",

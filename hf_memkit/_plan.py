@@ -26,12 +26,26 @@ import torch
 from ._compat import is_bitsandbytes_available, is_flash_attn_available, is_peft_available
 from ._device import DeviceInfo, probe_device, resolve_device
 from ._errors import ConfigError, HfMemkitError
-from ._estimate import (MemoryEstimate, TraceCache, _facts, _model_states, _resolve_model,
-                        estimate_for)
+from ._estimate import (
+    MemoryEstimate,
+    TraceCache,
+    _facts,
+    _model_states,
+    _resolve_model,
+    estimate_for,
+)
 from ._optimizers import OptimizerContext, get_optimizer_profile
 from ._setup import TrainingSetup, normalize_args, training_args_fields
-from ._sharding import (Sharding, comm_seconds, deepspeed_config_for, fsdp_config_for,
-                        launch_commands, model_facts, rank_states, validate_deepspeed_config)
+from ._sharding import (
+    Sharding,
+    comm_seconds,
+    deepspeed_config_for,
+    fsdp_config_for,
+    launch_commands,
+    model_facts,
+    rank_states,
+    validate_deepspeed_config,
+)
 from ._units import format_bytes, parse_bytes
 
 METHODS = ("auto", "full", "lora", "qlora")
@@ -255,7 +269,8 @@ class Plan:
                 model.set_attn_implementation(attn)
             except Exception as exc:  # the loaded model may not support it: keep its own
                 warnings.warn(f"kept the model's attention ({exc})", stacklevel=2)
-        ckpt = self.chosen.checkpointing
+        # under FSDP, fsdp_config's activation_checkpointing applies it when accelerate wraps
+        ckpt = self.chosen.checkpointing and self.parallel.get("engine") != "fsdp"
         if self.chosen.method in ADAPTER_METHODS:
             import peft
 
@@ -440,6 +455,18 @@ def _budget(dev: DeviceInfo, headroom: float, max_memory: Any, probed: bool) -> 
     return budget
 
 
+def _host_ram() -> int | None:
+    """This machine's RAM (``MemTotal``), or None where /proc is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def _precisions(dev: DeviceInfo) -> list[str]:
     if dev.kind == "cuda":
         if dev.supports_bf16:
@@ -484,11 +511,21 @@ def _attention(spec: Any, dev: DeviceInfo, precision: str) -> tuple[str, str]:
 def _strategies(ranks: int, engine: str, method: str) -> list[str]:
     if ranks == 1:
         return ["single"]
-    if method != "full" or engine == "ddp":
-        return ["ddp"]  # adapters are small: replicas; sharding a frozen k-bit base is not planned
+    if method in KBIT_METHODS or engine == "ddp":
+        return ["ddp"]  # sharding a frozen k-bit base (FSDP-QLoRA) is not planned
+    if method == "lora":  # a frozen 16-bit base shards like any other weights
+        return ["ddp", "zero3"] if engine == "deepspeed" else ["ddp", "fsdp-grad-op", "fsdp-full"]
     if engine == "deepspeed":
         return ["ddp", "zero2", "zero3", "zero3-offload-opt", "zero3-offload"]
     return ["ddp", "fsdp-grad-op", "fsdp-full", "fsdp-offload"]
+
+
+def _tier(parallel: str) -> int:
+    """DDP is the fastest data-parallel engine whenever a replica fits (the issue's rule and
+    common practice: no per-layer collectives, no gather copies); offload comes last."""
+    if parallel in ("single", "ddp", "pinned"):
+        return 0
+    return 2 if parallel in OFFLOAD_STRATEGIES else 1
 
 
 def _parallel_args(parallel: str, *, ranks: int, micro_batch: int, grad_accum: int,
@@ -519,14 +556,17 @@ def _parallel_args(parallel: str, *, ranks: int, micro_batch: int, grad_accum: i
 def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: Any = None,
                   num_gpus: int | None = None, method: str = "auto", headroom: float = 0.1,
                   max_memory: int | str | None = None, task: str | None = None,
-                  num_nodes: int = 1, engine: str = "auto", **constraints: Any) -> Plan:
+                  num_nodes: int = 1, engine: str = "auto", host_memory: int | str | None = None,
+                  **constraints: Any) -> Plan:
     """Choose the fastest setup whose predicted ``device_used`` fits the memory budget.
 
     ``constraints`` pin TrainingArguments fields (e.g. ``optim="adamw_torch_fused"``,
     ``activation_checkpointing=False``) or restrict the search (``micro_batch=4``).
     ``num_gpus`` ranks over ``num_nodes`` nodes: DDP when a replica fits, else FSDP2
     (``engine="fsdp"``, the default) or DeepSpeed ZeRO (``engine="deepspeed"``) sharding, and
-    CPU offload only as the last rung; ``engine="ddp"`` never shards.
+    CPU offload only as the last rung; ``engine="ddp"`` never shards. ``host_memory`` (bytes or
+    "512GiB", per node) bounds what offload may keep in CPU RAM; planning for this machine it
+    defaults to its RAM, for a catalog GPU offload is only noted with what it needs.
     """
     problems = []
     if method not in METHODS:
@@ -582,6 +622,8 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
     if problems:
         raise ConfigError(problems, source="plan_training")
     budget = _budget(dev, headroom, max_memory, probed)
+    host_budget = parse_bytes(host_memory) if host_memory is not None else (
+        _host_ram() if probed else None)
     notes: list[str] = []
 
     # the ladder: full, LoRA, LoRA on an 8-bit base, QLoRA; method="lora" covers both LoRA rungs
@@ -694,10 +736,7 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
     def setup_of(c: Candidate) -> TrainingSetup:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            setup = normalize_args(args_of(c), source="plan", num_gpus=ranks)
-        if c.parallel.startswith("fsdp") and c.checkpointing:
-            setup = setup.replace(checkpointing=True)  # applied by FSDP instead of the Trainer
-        return setup
+            return normalize_args(args_of(c), source="plan", num_gpus=ranks)
 
     # model states alone (no trace): cheap lower bound that prunes hopeless setups
     shardings: dict[tuple, Sharding] = {}
@@ -727,19 +766,27 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
     # is known and every faster candidate was estimated
     chosen = None
     for meth in methods:
-        for offload in (False, True):  # offload is the last rung of a method
+        for tier in (0, 1, 2):  # replicas (DDP), then sharding, then offload as the last rung
             pool = sorted((c for c in candidates if c.method == meth and not c.reason
-                           and (c.parallel in OFFLOAD_STRATEGIES) == offload),
-                          key=lambda c: c.rel_time)
+                           and _tier(c.parallel) == tier), key=lambda c: c.rel_time)
             for c in pool:
                 spec, _, _ = spec_for(c.method, c.precision)
-                est = estimate_for(spec, setup_of(c), dev, seq_len=seq_len, cache=cache)
+                setup = setup_of(c)
+                est = estimate_for(spec, setup, dev, seq_len=seq_len, cache=cache, exact=False)
+                if est.lower_bound and est.device_used <= budget:  # verify before accepting
+                    est = estimate_for(spec, setup, dev, seq_len=seq_len, cache=cache)
                 c.estimate, c.device_used, c.peak_allocated = est, est.device_used, est.peak_allocated
-                c.fits = est.device_used <= budget
+                host = est.host_offloaded * (ranks // nodes)
+                c.fits = est.device_used <= budget and (host_budget is None or host <= host_budget)
                 if c.fits:
                     chosen = c
                     break
-                c.reason = f"needs {format_bytes(est.device_used)} > budget {format_bytes(budget)}"
+                at_least = "at least " if est.lower_bound else ""
+                c.reason = (f"needs {at_least}{format_bytes(est.device_used)} > budget "
+                            f"{format_bytes(budget)}"
+                            if est.device_used > budget else
+                            f"offload needs {format_bytes(host)} of host RAM per node > "
+                            f"{format_bytes(host_budget)}")
             if chosen:
                 break
         if chosen:
@@ -780,6 +827,11 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
                              checkpointing=chosen.checkpointing, hidden=hidden,
                              layer_class=layer_class,
                              max_grad_norm=float(pins.get("max_grad_norm", 1.0))))
+    if chosen.parallel.startswith("fsdp") and chosen.checkpointing:
+        for k in ("activation_checkpointing", "gradient_checkpointing"):  # fsdp_config's own
+            if k in ta:
+                ta[k] = False
+            ta.pop(k + "_kwargs", None)
     parallel = _parallel_summary(chosen, ta, setup_of(chosen).sharding, nodes, notes,
                                  chosen.estimate)
     mk = {"attn_implementation": attn}
@@ -929,6 +981,11 @@ def _raise_impossible(candidates, budget, dev, seq_len, spec_for, setup_of, cach
             best = c
     if best is None:
         raise HfMemkitError("no setup could be estimated for this model")
+    if best.reason.startswith("offload needs") and best.device_used <= budget:
+        raise HfMemkitError(
+            f"the only setups that fit {dev.name} offload to CPU RAM, and {best.label()} "
+            f"{best.reason[len('offload '):]}; give host_memory= if the nodes have more RAM, or "
+            "use more GPUs, a shorter seq_len, or method='qlora'")
     raise HfMemkitError(
         f"needs at least {format_bytes(best.device_used)} with {best.label()} at seq {seq_len}; "
         f"{dev.name} has {format_bytes(budget)} usable; try a shorter seq_len, method='qlora', "

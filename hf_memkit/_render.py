@@ -130,8 +130,19 @@ def plan_tables(plan) -> list:
         ("batch", f"target {plan.target_batch_size} = micro-batch {c.micro_batch} x accumulation "
                   f"{c.grad_accum} x {plan.num_gpus} rank(s), seq_len {plan.seq_len}"),
         ("chosen", c.label() + f", attention {c.attn}"),
-        ("predicted memory", f"{format_bytes(c.device_used)} of {format_bytes(plan.budget)}"),
+        ("predicted memory", f"{format_bytes(c.device_used)} of {format_bytes(plan.budget)}"
+                             + (" per GPU" if plan.num_gpus > 1 else "")),
     ]
+    par = getattr(plan, "parallel", None) or {}
+    if par:
+        nodes = par.get("num_nodes", 1)
+        rows.append(("engine", par.get("label", "") + (f" over {nodes} nodes" if nodes > 1 else "")))
+        if c.estimate is not None and c.estimate.host_offloaded:
+            rows.append(("host memory", f"{format_bytes(c.estimate.host_offloaded)} per rank "
+                                        "offloaded to CPU RAM"))
+        launch = plan.launch_commands()
+        rows.append(("launch", launch["accelerate"]))
+        rows.append(("or", launch["torchrun"]))
     for k, v in rows:
         head.add_row(k, v)
     out = [head]

@@ -143,6 +143,8 @@ def normalize_args(args: TrainingArguments | dict[str, Any] | None, *,
         sharding, sharding_notes = sharding_from_args(get, num_gpus)
     except HfMemkitError as exc:
         problems.append(str(exc))
+    if sharding.activation_checkpointing:  # fsdp_config's own checkpointing: same memory
+        ckpt = True
     if problems:
         raise ConfigError(problems, source=source)
     for msg in unmodelled:

@@ -92,6 +92,7 @@ class Sharding:
     grad_as_bucket_view: bool = False    # DDP
     bucket_cap_mb: int = DDP_BUCKET_MB   # DDP
     sync_each_batch: bool = False        # FSDP + accumulation: reduce-scatter every micro-step
+    activation_checkpointing: bool = False  # FSDP's own (fsdp_config), instead of the Trainer's
     reduce_bucket: int = 0               # DeepSpeed reduce_bucket_size
     allgather_bucket: int = 0            # DeepSpeed allgather_bucket_size (ZeRO-1/2)
     prefetch_bucket: int = 0             # DeepSpeed stage3_prefetch_bucket_size
@@ -122,7 +123,7 @@ class ModelFacts:
 
     total_params: int
     layer_params: int          # largest transformer layer (FSDP unit)
-    tail_params: int           # final norm + output head (FSDP tail unit), 0 when tied into embed
+    tail_params: int           # output head (+ tied embedding): accelerate's FSDP tail unit
     module_params: int         # largest single module's own parameters (DeepSpeed ZeRO-3 gather)
     layer_class: str | None    # the class FSDP auto-wraps
     tied: bool = False
@@ -140,9 +141,9 @@ def model_facts(meta: torch.nn.Module) -> ModelFacts:
     inp = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
     out = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     tied = inp is not None and out is not None and out.weight is inp.weight
-    tail = 0
-    if out is not None and not tied:
-        tail = sum(p.numel() for p in out.parameters())
+    # accelerate's tail unit [final norm, lm_head] (+ the input embedding when tied) is not
+    # resharded after forward: gathered from the end of the forward to the start of backward
+    tail = sum(p.numel() for p in out.parameters()) if out is not None else 0
     seen: dict[int, int] = {}
     for p in base.parameters():
         seen[id(p)] = p.numel()
@@ -201,7 +202,9 @@ def sharding_from_args(get, num_gpus: int | None) -> tuple[Sharding, list[str]]:
         stage = 3 if _truthy(reshard) else 2
         amp = bool(get("bf16") or get("fp16"))
         return Sharding("fsdp", world, stage, offload_params=offload, offload_optimizer=offload,
-                        mixed_precision=amp, sync_each_batch=sync_each), notes
+                        mixed_precision=amp, sync_each_batch=sync_each,
+                        activation_checkpointing=_truthy(cfg.get("activation_checkpointing",
+                                                                 False))), notes
     if ds:
         cfg = _load_json(ds, "deepspeed")
         z = cfg.get("zero_optimization") or {}
@@ -278,16 +281,20 @@ def rank_states(sh: Sharding, *, weight_bytes: int, grad_bytes: int, n_trainable
         red = 2 if sh.mixed_precision else 4
         L, T = facts.layer_params, facts.tail_params
         in_flight = 2 if device_kind == "cuda" else 1  # CPU: no separate all-gather stream
+        # backward: the tail's unsharded weight and gradient at its start, later two gathered
+        # layers (current + prefetched) and one layer's unsharded gradient + reduce-scatter
+        # input; the tail reshards after its own backward, so the two never coexist
+        unit = max((T, T), (2 * L, 2 * L), key=lambda u: u[0] * gather + u[1] * red)
+        grads_unsharded = unit[1] * red if n_trainable else 0
         if sh.stage == 3:
             fwd = (T + in_flight * L) * gather
-            bwd = (T + 2 * L) * gather
+            bwd = unit[0] * gather
         else:  # every layer stays gathered from its forward to its backward
             fwd = bwd = facts.total_params * gather
         r = RankStates(
             weights=_ceil(weight_bytes, n), gradients=_ceil(grad_bytes, n),
             optimizer=_ceil(optimizer_state, n), optimizer_transient=_ceil(optimizer_transient, n),
-            gathered_forward=fwd, gathered_backward=bwd,
-            grad_buffers=2 * L * red if n_trainable else 0)
+            gathered_forward=fwd, gathered_backward=bwd, grad_buffers=grads_unsharded)
         if not sh.sync_each_batch:
             r.accum_gradients = n_trainable * gather + r.gradients
         if sh.offload_params:  # CPUOffloadPolicy: all three together

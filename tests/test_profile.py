@@ -116,6 +116,7 @@ PUBLISHED = {
     ("Mistral-7B-v0.1", None): 7_241_732_096,
     ("Qwen2.5-7B", None): 7_615_616_512,
     ("gpt2", None): 124_439_808,
+    ("gpt2-xl", None): 1_557_611_200,
     ("bert-base-uncased", "base"): 109_482_240,
     ("bert-large-uncased", "base"): 335_141_888,
     ("xlm-roberta-large", "base"): 559_890_432,
