@@ -32,7 +32,10 @@ def estimate_parser(sub) -> argparse.ArgumentParser:
                "      bf16=true gradient_checkpointing=true optim=adamw_bnb_8bit\n"
                "  hf-memkit estimate gpt2 --gpu cpu --seq-len 512 --batch 8 --json\n"
                "  hf-memkit estimate bert-large-uncased --task sequence-classification "
-               "--gpu T4 --seq-len 512 --batch 8 fp16=true",
+               "--gpu T4 --seq-len 512 --batch 8 fp16=true\n"
+               "  hf-memkit estimate Llama-3.1-70B --gpu H100-80GB --num-gpus 8 --seq-len 4096 "
+               "--batch 1 \\\n      bf16=true fsdp=true "
+               "'fsdp_config={\"version\": 2, \"cpu_offload\": true}'   # one rank's memory",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", help="bundled model name or local directory with config.json")
@@ -45,6 +48,9 @@ def estimate_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--task", default=None, help="head: causal-lm, sequence-classification, ...")
     p.add_argument("--stage", default="train", choices=("train", "eval"))
     p.add_argument("--dtype", default=None, help="load dtype (bfloat16 = pure bf16 training)")
+    p.add_argument("--num-gpus", type=int, default=None,
+                   help="data-parallel ranks: one rank's memory under DDP, or the FSDP / "
+                        "DeepSpeed sharding given by fsdp=... / deepspeed=... fields")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--max-batch", action="store_true",
                    help="instead: the largest micro-batch that fits (reverse query)")
@@ -75,7 +81,8 @@ def estimate_command(args: argparse.Namespace) -> int:
         return 0
     try:
         est = estimate_memory(args.model, fields, seq_len=args.seq_len, device=args.gpu,
-                              stage=args.stage, task=args.task, dtype=args.dtype)
+                              stage=args.stage, task=args.task, dtype=args.dtype,
+                              num_gpus=args.num_gpus)
     except ValueError as exc:
         raise HfMemkitError(str(exc)) from exc
     if args.json:
