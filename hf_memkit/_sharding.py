@@ -512,17 +512,19 @@ def comm_bytes_per_step(sh: Sharding, *, n_params: int, n_trainable: int, grad_a
                         mixed_precision: bool) -> float:
     """Bytes each rank sends per optimizer step (ring collectives: (N-1)/N of the payload).
 
-    DDP / ZeRO-1/2: one all-reduce of the gradients (2x payload). FSDP full shard / ZeRO-3:
-    all-gather of the parameters in forward and again in backward, reduce-scatter of the
-    gradients, per micro-step (3x); shard-grad-op gathers once (2x). Offload adds host
+    DDP: one all-reduce of the gradients per step (2x payload); ZeRO-1/2 reduce every
+    micro-step. FSDP full shard / ZeRO-3: all-gather of the parameters in forward and again in
+    backward, reduce-scatter of the gradients, per micro-step (3x); shard-grad-op gathers once. Offload adds host
     transfers (PCIe), counted by the caller's bandwidth choice."""
     n = sh.world_size
     if n <= 1:
         return 0.0
     ring = (n - 1) / n
     b = 2 if mixed_precision else 4
-    if sh.engine == "ddp" or (sh.engine == "deepspeed" and sh.stage < 3):
-        return 2 * ring * n_trainable * b * (1 if sh.engine == "ddp" else 1)
+    if sh.engine == "ddp":  # the Trainer skips the all-reduce on non-final micro-steps
+        return 2 * ring * n_trainable * b
+    if sh.engine == "deepspeed" and sh.stage < 3:  # ZeRO-1/2 reduce every micro-step
+        return 2 * ring * n_trainable * b * max(1, grad_accum)
     gathers = 2 if sh.stage == 3 else 1
     return (gathers * ring * n_params * b + ring * n_trainable * b) * max(1, grad_accum)
 

@@ -299,3 +299,27 @@ def test_more_gpus_than_this_machine_has(fake_cuda):
 def test_budget_is_per_gpu_not_summed():
     p = plan("Llama-3.1-8B", device="RTX-4090", num_gpus=2, seq_len=1024, target_batch_size=16)
     assert p.chosen.device_used <= 24 * GiB
+
+
+def test_communication_cost_follows_the_interconnect():
+    from hf_memkit._sharding import Sharding, comm_bytes_per_step, comm_seconds
+
+    n = 8_030_261_248
+    full = Sharding("fsdp", 8, 3, mixed_precision=True)
+    ddp = Sharding("ddp", 8)
+    # ring collectives: DDP all-reduces the gradients (2x payload), full shard gathers the
+    # parameters twice and reduce-scatters the gradients (3x)
+    assert comm_bytes_per_step(ddp, n_params=n, n_trainable=n, grad_accum=1,
+                               mixed_precision=True) == pytest.approx(2 * 7 / 8 * 2 * n)
+    assert comm_bytes_per_step(full, n_params=n, n_trainable=n, grad_accum=1,
+                               mixed_precision=True) == pytest.approx(3 * 7 / 8 * 2 * n)
+    nvlink, pcie = mk.get_device("H100-80GB"), mk.get_device("H100-PCIe-80GB")
+    assert nvlink.interconnect_bandwidth > 4 * pcie.interconnect_bandwidth
+    kw = dict(n_params=n, n_trainable=n, grad_accum=1, mixed_precision=True, num_nodes=1)
+    t_nv = comm_seconds(full, intra_bw=nvlink.interconnect_bandwidth, **kw)
+    t_pcie = comm_seconds(full, intra_bw=pcie.interconnect_bandwidth, **kw)
+    assert t_pcie / t_nv == pytest.approx(nvlink.interconnect_bandwidth /
+                                          pcie.interconnect_bandwidth)
+    # two nodes are bound by the inter-node fabric
+    assert comm_seconds(full, intra_bw=nvlink.interconnect_bandwidth,
+                        **{**kw, "num_nodes": 2}) > t_nv
