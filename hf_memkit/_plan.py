@@ -238,7 +238,7 @@ class Plan:
         kwargs.update(overrides)
         memory_keys = {"per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16",
                        "optim", "activation_checkpointing", "gradient_checkpointing",
-                       "optim_args"}
+                       "optim_args", "fsdp", "fsdp_config", "deepspeed"}
         if memory_keys & set(overrides) and self.chosen.estimate is not None:
             self._warn_if_override_does_not_fit(kwargs)
         return TrainingArguments(**kwargs)
@@ -250,6 +250,7 @@ class Plan:
         args = {k: v for k, v in kwargs.items() if k in fields and k != "output_dir"}
         try:
             est = estimate_memory(self.model_name, args, seq_len=self.seq_len, device=self.device,
+                                  num_gpus=self.num_gpus if self.num_gpus > 1 else None,
                                   **_estimate_kwargs(self.model_kwargs, self.peft_config))
         except Exception as exc:  # an override the estimator rejects: say so, do not block
             warnings.warn(f"could not re-estimate the overridden plan: {exc}", stacklevel=3)
@@ -431,7 +432,10 @@ def _peft_from_dict(d: dict[str, Any] | None) -> Any:
 
 
 def _estimate_kwargs(model_kwargs: dict[str, Any], peft_config: Any) -> dict[str, Any]:
-    return {"dtype": model_kwargs.get("dtype"),
+    # a k-bit base loads in half precision, then prepare_model_for_kbit_training upcasts every
+    # non-quantized parameter to fp32: the estimate takes the trained dtype (None = fp32)
+    quant = model_kwargs.get("quantization_config")
+    return {"dtype": None if quant is not None else model_kwargs.get("dtype"),
             "attn_implementation": model_kwargs.get("attn_implementation"),
             "quantization_config": model_kwargs.get("quantization_config"),
             "peft_config": peft_config}

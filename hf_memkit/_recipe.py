@@ -111,6 +111,13 @@ class Recipe:
     max_memory: int | str | None = _key("hardware.max_memory", "explicit per-GPU budget, bytes or "
                                         "'20GiB'; overrides device memory x (1 - headroom)", None)
     headroom: float = _key("hardware.headroom", "fraction of device memory kept free", 0.1)
+    num_nodes: int = _key("hardware.num_nodes", "nodes the num_gpus are spread over (GPUs per "
+                          "node = num_gpus / num_nodes)", 1)
+    engine: str = _key("hardware.engine", "auto | ddp | fsdp | deepspeed: the data-parallel "
+                       "engine when num_gpus > 1 (auto = DDP if a replica fits, else FSDP2)",
+                       "auto")
+    host_memory: int | str | None = _key("hardware.host_memory", "CPU RAM per node that CPU "
+                                         "offload may use, e.g. '512GiB'", None)
     pins: dict[str, Any] = _key("pins", "TrainingArguments fields that override the planner "
                                 "(e.g. optim, activation_checkpointing) or just set (max_steps, "
                                 "learning_rate, logging_steps)", {})
@@ -157,7 +164,8 @@ class Recipe:
         kw = dict(model=self.model_ref(), seq_len=self.seq_len,
                   target_batch_size=self.target_batch_size, device=self.device,
                   num_gpus=self.num_gpus, method=self.method, headroom=self.headroom,
-                  max_memory=self.max_memory, task=self.task, **self.pins)
+                  max_memory=self.max_memory, task=self.task, num_nodes=self.num_nodes,
+                  engine=self.engine, host_memory=self.host_memory, **self.pins)
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return kw
 
@@ -543,6 +551,34 @@ def _validate(raw: dict, file: Path, where: str) -> Recipe:
         except (ValueError, TypeError, HfMemkitError):
             c.add("hardware.max_memory", f"expected bytes or a size such as '20GiB', got "
                                          f"{_describe(mm)}")
+    nodes = flat.get("hardware.num_nodes")
+    if nodes is not None:
+        n_nodes = c.positive_int("hardware.num_nodes", nodes)
+        if n_nodes:
+            kw["num_nodes"] = n_nodes
+            if gpus and gpus % n_nodes:
+                c.add("hardware.num_nodes", f"num_gpus={gpus} is not a multiple of "
+                                            f"num_nodes={n_nodes}; num_gpus counts all nodes")
+    eng = flat.get("hardware.engine")
+    if eng is not None:
+        from ._plan import ENGINES
+
+        if eng in ENGINES:
+            kw["engine"] = eng
+        else:
+            c.add("hardware.engine", f"unknown engine {_describe(eng)}"
+                  f"{did_you_mean(str(eng), ENGINES)}; allowed: {', '.join(ENGINES)}")
+    hm = flat.get("hardware.host_memory")
+    if hm is not None:
+        from ._units import parse_bytes
+
+        try:
+            if isinstance(hm, bool) or parse_bytes(hm) <= 0:
+                raise ValueError
+            kw["host_memory"] = hm
+        except (ValueError, TypeError, HfMemkitError):
+            c.add("hardware.host_memory", f"expected bytes or a size such as '512GiB', got "
+                                          f"{_describe(hm)}")
     hr = flat.get("hardware.headroom")
     if hr is not None:
         if isinstance(hr, (int, float)) and not isinstance(hr, bool) and 0 <= hr < 1:

@@ -4,7 +4,6 @@ with the file and key, and the CLI exit codes are 0 / 1 / 2."""
 
 from __future__ import annotations
 
-import inspect
 import json
 import re
 import subprocess
@@ -85,23 +84,9 @@ def _memory_args(ta: dict) -> dict:
     return {k: v for k, v in ta.items() if k in keep}
 
 
-_NUM_GPUS_KW = "num_gpus" in inspect.signature(mk.estimate_memory).parameters
-
-
 def _plan_params():
     for p in BUNDLED:
-        marks = []
-        if load_recipe(p).num_gpus > 1:
-            marks.append(pytest.mark.xfail(
-                strict=False, reason="multi-GPU: the planner's sharding (issue 7, in progress) and "
-                                     "estimate_memory(num_gpus=...) are not yet consistent"))
-        if _rel(p) == "tiny-llama/1m_full_cpu.yaml":
-            marks.append(pytest.mark.xfail(
-                strict=False, reason="known planner bug (reported): the plan's TraceCache "
-                                     "extrapolation from micro-batch 1 and 2 gives 34.38 MiB "
-                                     "(peak in forward) where a direct trace at micro-batch 8 "
-                                     "gives 35.41 MiB (peak in backward)"))
-        yield pytest.param(p, id=_rel(p), marks=marks)
+        yield pytest.param(p, id=_rel(p))
 
 
 @pytest.mark.parametrize("path", list(_plan_params()))
@@ -118,7 +103,7 @@ def test_plan_of_bundled_recipe_matches_independent_estimate(path, capsys):
     assert c.micro_batch * c.grad_accum * plan.num_gpus == r.target_batch_size
     if r.method != "auto":
         assert c.method.startswith(r.method) or (r.method == "lora" and c.method == "lora-8bit")
-    extra = {"num_gpus": plan.num_gpus} if _NUM_GPUS_KW else {}
+    extra = {"num_gpus": plan.num_gpus}
     mkw = plan.model_kwargs
     quant = mkw.get("quantization_config")
     # A quantized base loads in half precision, then Plan.prepare's

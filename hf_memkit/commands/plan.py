@@ -26,6 +26,8 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                "  hf-memkit plan Llama-3.1-70B --gpu H100-80GB --seq-len 4096 --target-batch 16 "
                "--json\n"
                "  hf-memkit plan gpt2 --gpu T4 --seq-len 1024 --target-batch 64 --method full\n"
+               "  hf-memkit plan Llama-3.1-70B --gpu H100-80GB --num-gpus 16 --num-nodes 2 "
+               "--seq-len 4096 --target-batch 64 --engine deepspeed\n"
                "  hf-memkit plan recipes/llama-3.1/8b_qlora_rtx4090.yaml\n"
                "  hf-memkit plan recipes/llama-3.1/8b_qlora_rtx4090.yaml --gpu A10G --seq-len 1024",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -37,7 +39,13 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                    help="TrainingArguments fields to pin, e.g. optim=adamw_torch_fused")
     p.add_argument("--gpu", default=None, help="catalog GPU or 'cpu'; default: this machine "
                                                "(or the recipe's hardware.device)")
-    p.add_argument("--num-gpus", type=int, default=None, help="data-parallel ranks")
+    p.add_argument("--num-gpus", type=int, default=None,
+                   help="data-parallel ranks over all nodes (DDP, else FSDP2 / ZeRO sharding)")
+    p.add_argument("--num-nodes", type=int, default=None, help="nodes (default 1)")
+    p.add_argument("--engine", default=None, choices=("auto", "ddp", "fsdp", "deepspeed"),
+                   help="data-parallel engine (default auto: DDP if a replica fits, else FSDP2)")
+    p.add_argument("--host-memory", default=None,
+                   help="CPU RAM per node that offload may use, e.g. 512GiB")
     p.add_argument("--seq-len", type=int, default=None,
                    help="tokens per sequence (required without a recipe)")
     p.add_argument("--target-batch", type=int, default=None,
@@ -68,7 +76,8 @@ def plan_command(args: argparse.Namespace) -> int:
     pins = dict(args.fields)
     cli = dict(device=args.gpu, num_gpus=args.num_gpus, seq_len=args.seq_len,
                target_batch_size=args.target_batch, method=args.method,
-               max_memory=args.max_memory, headroom=args.headroom, task=args.task)
+               max_memory=args.max_memory, headroom=args.headroom, task=args.task,
+               num_nodes=args.num_nodes, engine=args.engine, host_memory=args.host_memory)
     if is_recipe_ref(args.model):
         from .._recipe import load_recipe
 
