@@ -955,16 +955,17 @@ def _training_args(c: Candidate, pins: dict[str, Any], dev: DeviceInfo, eval_bat
 
 def _eval_batch(spec: Any, setup: TrainingSetup, dev: DeviceInfo, seq_len: int, budget: int,
                 cache: TraceCache) -> int:
-    """The largest power of two (<= 4 x the micro-batch) whose eval step fits."""
-    best = 1
-    b = 1
-    while b <= 4 * setup.micro_batch:
-        est = estimate_for(spec, setup.replace(eval_batch=b), dev, seq_len=seq_len, stage="eval",
-                           cache=cache)
-        if est.device_used > budget:
-            break
-        best = b
-        b *= 2
+    """The largest power of two (<= 4 x the micro-batch) whose eval step fits: searched on
+    the cache's lower bounds, then confirmed by an exact trace (stepping down if needed)."""
+    def used(b: int, exact: bool) -> int:
+        return estimate_for(spec, setup.replace(eval_batch=b), dev, seq_len=seq_len,
+                            stage="eval", cache=cache, exact=exact).device_used
+
+    best, b = 1, 2
+    while b <= 4 * setup.micro_batch and used(b, exact=False) <= budget:
+        best, b = b, b * 2
+    while best > 1 and used(best, exact=True) > budget:
+        best //= 2
     return best
 
 
