@@ -246,7 +246,7 @@ def main() -> int:
     ap.add_argument("--skip-runs", action="store_true", help="skip the 2-process CPU runs")
     ap.add_argument("--measured", help="reuse bench/dist_measure.py --out results")
     a = ap.parse_args()
-    console = Console()
+    console = Console(width=160)
     out = {"deepspeed": vs_deepspeed(console), "paper": vs_paper(console)}
     if not a.skip_runs:
         out["runs"] = vs_runs(console, a.measured)

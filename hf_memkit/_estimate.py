@@ -382,8 +382,9 @@ class TraceCache:
         # (the accumulating phases are dropped when grad_accum == 1)
         accumulating = stage == "train" and setup.grad_accum > 1
         batch = setup.micro_batch if stage == "train" else setup.eval_batch
-        key = (id(spec), stage, setup.amp, setup.checkpointing, setup.checkpoint_reentrant,
-               setup.checkpoint_every_n_layers, seq_len, target_len, padded)
+        key = (_trace_identity(spec), stage, setup.amp, setup.checkpointing,
+               setup.checkpoint_reentrant, setup.checkpoint_every_n_layers, seq_len, target_len,
+               padded)
 
         def at(b: int) -> _Excess:
             k = key + (b,)
@@ -555,6 +556,17 @@ def estimate_for(spec: _ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq
         model_states=int(rs.model_states), host_offloaded=int(rs.host),
         lower_bound=ex.lower_bound,
     )
+
+
+def _trace_identity(spec: _ModelSpec) -> tuple:
+    """What a trace depends on (memoised): specs built separately for the same model, dtype,
+    attention and adapters share traces (e.g. pure bf16 and FSDP's 16-bit gathers)."""
+    ident = spec.__dict__.get("_trace_identity")
+    if ident is None:
+        ident = spec._trace_identity = (
+            spec.model_cls, spec.config.to_json_string(use_diff=False), spec.task, spec.dtype,
+            spec.attn_implementation, repr(spec.lora), spec.quant_bits)
+    return ident
 
 
 def _facts(spec: _ModelSpec):

@@ -762,7 +762,10 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
         c.rel_time = _cost(c, n_params=n_params, n_trainable=n_trainable_of[c.method],
                            layers=layers, hidden=hidden, seq_len=seq_len, target=per_rank, dev=dev,
                            heads=facts["num_attention_heads"] or 1, sharding=sh, nodes=nodes)
-        if states > budget:
+        if host_budget is not None and rs.host * (ranks // nodes) > host_budget:
+            c.reason = (f"offload needs {format_bytes(rs.host * (ranks // nodes))} of host RAM "
+                        f"per node > {format_bytes(host_budget)}")
+        elif states > budget:
             c.reason = (f"weights + gradients + optimizer state alone need "
                         f"{format_bytes(states)} > budget {format_bytes(budget)}")
 
@@ -986,15 +989,17 @@ def _raise_impossible(candidates, budget, dev, seq_len, spec_for, setup_of, cach
             best = c
     if best is None:
         raise HfMemkitError("no setup could be estimated for this model")
+    tried = {c.method for c in candidates}
+    qlora = "" if "qlora" in tried else ", method='qlora'"
     if best.reason.startswith("offload needs") and best.device_used <= budget:
         raise HfMemkitError(
             f"the only setups that fit {dev.name} offload to CPU RAM, and {best.label()} "
             f"{best.reason[len('offload '):]}; give host_memory= if the nodes have more RAM, or "
-            "use more GPUs, a shorter seq_len, or method='qlora'")
+            f"use more GPUs, a shorter seq_len{qlora}")
     raise HfMemkitError(
         f"needs at least {format_bytes(best.device_used)} with {best.label()} at seq {seq_len}; "
-        f"{dev.name} has {format_bytes(budget)} usable; try a shorter seq_len, method='qlora', "
-        "or a larger GPU")
+        f"{dev.name} has {format_bytes(budget)} usable; try a shorter seq_len{qlora}, more "
+        "GPUs or a larger GPU")
 
 
 def auto_training_args(model: Any, **kwargs: Any):

@@ -160,7 +160,9 @@ def plan_tables(plan) -> list:
     for x in plan.candidates:
         if x.estimate is None:
             key = ("weights + gradients + optimizer state alone exceed the budget"
-                   if "alone need" in x.reason else x.reason)
+                   if "alone need" in x.reason else
+                   "offload needs more host RAM per node than host_memory"
+                   if x.reason.startswith("offload needs") else x.reason)
             rejected[key] = rejected.get(key, 0) + 1
     for reason, n in rejected.items():
         alt.add_row(f"{n} more setup(s)", "", "", reason)
