@@ -301,6 +301,12 @@ training: {{seq_len: 8, target_batch_size: 1}}
      "data.source", "no such file `missing.jsonl`"),
     ("model: gpt2\ntraining: {seq_len: 8, target_batch_size: 8}\nhardware: {max_memory: 20 GiBs}",
      "hardware.max_memory", "expected bytes or a size such as '20GiB'"),
+    ("model: gpt2\ntraining: {seq_len: 8, target_batch_size: 8}\n"
+     "hardware: {device: H100-80GB, num_gpus: 8, engine: deepspeeed}",
+     "hardware.engine", "did you mean `deepspeed`"),
+    ("model: gpt2\ntraining: {seq_len: 8, target_batch_size: 16}\n"
+     "hardware: {device: H100-80GB, num_gpus: 16, num_nodes: 3}",
+     "hardware.num_nodes", "not a multiple of num_nodes=3"),
     ("model: gpt2\nseq_len: 8\ntraining: {target_batch_size: 8}",
      "seq_len", "unknown key (did you mean `training.seq_len`?)"),
     ("- just\n- a list", "", "the top level must be a mapping"),
