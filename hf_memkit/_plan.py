@@ -61,6 +61,9 @@ OFFLOAD_STRATEGIES = ("fsdp-offload", "zero3-offload-opt", "zero3-offload")
 # The optimizer step on the host under offload (DeepSpeed CPUAdam / torch on CPU): bytes of
 # optimizer traffic per second one rank's host cores sustain (an assumption; memory-bound AVX).
 HOST_OPTIM_BANDWIDTH = 20e9
+# Launch latency of one NCCL collective (order of tens of microseconds on NVLink; NCCL tests),
+# paid per FSDP unit and pass.
+COLLECTIVE_LATENCY_S = 50e-6
 # GPUs one node of the catalog cards holds (HGX/DGX boards); more need num_nodes.
 MAX_GPUS_PER_NODE = 8
 # LoRA defaults of the plan (peft.LoraConfig): the QLoRA paper's recipe, adapters on every linear.
@@ -182,6 +185,14 @@ def _cost(c: Candidate, *, n_params: int, n_trainable: int, layers: int, hidden:
         compute += EAGER_SCORE_PASSES * layers * heads * seq_len * seq_len * elem / bw
     optim = OPTIM_STEP_COST.get(c.optim, 1.5) * OPTIM_BYTES_PER_PARAM * n_trainable / bw / target
     comm = 0.0
+    if sharding is not None and (sharding.engine == "fsdp" or (sharding.engine == "deepspeed"
+                                                                and sharding.stage == 3)):
+        # per micro-step: a collective per unit and pass (launch latency), and copying the
+        # gathered parameters out of (and the gradients into) the flat collective buffers
+        passes = 3 if sharding.stage == 3 else 2
+        b = 4 if c.precision == "fp32" else 2
+        overhead += (passes * (layers + 2) * COLLECTIVE_LATENCY_S
+                     + passes * n_params * b / bw) / c.micro_batch
     if sharding is not None and sharding.engine in ("fsdp", "deepspeed"):
         shards = sharding.world_size if (sharding.engine == "fsdp" or sharding.stage >= 1) else 1
         optim /= shards
@@ -525,11 +536,10 @@ def _strategies(ranks: int, engine: str, method: str) -> list[str]:
 
 
 def _tier(parallel: str) -> int:
-    """DDP is the fastest data-parallel engine whenever a replica fits (the issue's rule and
-    common practice: no per-layer collectives, no gather copies); offload comes last."""
-    if parallel in ("single", "ddp", "pinned"):
-        return 0
-    return 2 if parallel in OFFLOAD_STRATEGIES else 1
+    """Offload is the last rung. DDP and sharding are ranked together by the cost model, in
+    which DDP wins whenever a replica fits without slower memory savers: sharding pays a
+    collective per layer and copies in and out of its flat buffers every micro-step."""
+    return 1 if parallel in OFFLOAD_STRATEGIES else 0
 
 
 def _parallel_args(parallel: str, *, ranks: int, micro_batch: int, grad_accum: int,
@@ -773,7 +783,7 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
     # is known and every faster candidate was estimated
     chosen = None
     for meth in methods:
-        for tier in (0, 1, 2):  # replicas (DDP), then sharding, then offload as the last rung
+        for tier in (0, 1):  # DDP or sharding (by cost), then offload as the last rung
             pool = sorted((c for c in candidates if c.method == meth and not c.reason
                            and _tier(c.parallel) == tier), key=lambda c: c.rel_time)
             for c in pool:

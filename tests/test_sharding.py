@@ -323,3 +323,17 @@ def test_communication_cost_follows_the_interconnect():
     # two nodes are bound by the inter-node fabric
     assert comm_seconds(full, intra_bw=nvlink.interconnect_bandwidth,
                         **{**kw, "num_nodes": 2}) > t_nv
+
+
+def test_sharding_beats_a_replica_squeezed_by_slow_savers():
+    """A DDP replica of Llama-3.1-8B fits 80 GB only with pure bf16 + Adafactor + checkpointing;
+    FSDP2 with AMP and fused AdamW without checkpointing is faster, and the plan takes it."""
+    p = plan(device="H100-80GB", num_gpus=8, seq_len=4096)
+    assert p.chosen.parallel.startswith("fsdp") and p.chosen.parallel != "fsdp-offload"
+    assert p.chosen.precision == "bf16" and p.chosen.optim == "adamw_torch_fused"
+    assert not p.chosen.checkpointing
+    ddp_fits = [c for c in p.candidates if c.parallel == "ddp" and c.fits]
+    squeezed = [c for c in p.candidates if c.parallel == "ddp" and c.precision == "pure-bf16"
+                and c.checkpointing]
+    assert not ddp_fits or all(c.rel_time > 1 for c in ddp_fits)
+    assert squeezed and all(c.rel_time > 1 for c in squeezed)
