@@ -222,7 +222,8 @@ def planner_choices(console: Console) -> list[dict]:
                                      device=dev, num_gpus=n, engine=engine,
                                      num_nodes=max(1, n // 8), host_memory=host)
         except mk.HfMemkitError as exc:
-            rows.append({"hardware": f"{n} x {dev}", "engine": label, "error": str(exc)})
+            rows.append({"hardware": f"{n} x {dev}", "engine": label, "error": str(exc),
+                         "seconds": time.perf_counter() - t0})
             table.add_row(f"{n} x {dev}", label, f"no plan: {exc}", "-", "-",
                           f"{time.perf_counter() - t0:.1f}")
             continue
