@@ -540,17 +540,22 @@ def _validate(raw: dict, file: Path, where: str) -> Recipe:
         c.add("training.target_batch_size",
               f"{target} is not divisible by num_gpus={gpus}; nearest valid targets: "
               f"{', '.join(str(v) for v in (lo, lo + gpus) if v > 0)}")
-    mm = flat.get("hardware.max_memory")
-    if mm is not None:
+    def size(key: str, example: str) -> None:
         from ._units import parse_bytes
 
+        v = flat.get(f"hardware.{key}")
+        if v is None:
+            return
         try:
-            if isinstance(mm, bool) or parse_bytes(mm) <= 0:
+            if isinstance(v, bool) or parse_bytes(v) <= 0:
                 raise ValueError
-            kw["max_memory"] = mm
+            kw[key] = v
         except (ValueError, TypeError, HfMemkitError):
-            c.add("hardware.max_memory", f"expected bytes or a size such as '20GiB', got "
-                                         f"{_describe(mm)}")
+            c.add(f"hardware.{key}", f"expected bytes or a size such as '{example}', got "
+                                     f"{_describe(v)}")
+
+    size("max_memory", "20GiB")
+    size("host_memory", "512GiB")
     nodes = flat.get("hardware.num_nodes")
     if nodes is not None:
         n_nodes = c.positive_int("hardware.num_nodes", nodes)
@@ -568,17 +573,6 @@ def _validate(raw: dict, file: Path, where: str) -> Recipe:
         else:
             c.add("hardware.engine", f"unknown engine {_describe(eng)}"
                   f"{did_you_mean(str(eng), ENGINES)}; allowed: {', '.join(ENGINES)}")
-    hm = flat.get("hardware.host_memory")
-    if hm is not None:
-        from ._units import parse_bytes
-
-        try:
-            if isinstance(hm, bool) or parse_bytes(hm) <= 0:
-                raise ValueError
-            kw["host_memory"] = hm
-        except (ValueError, TypeError, HfMemkitError):
-            c.add("hardware.host_memory", f"expected bytes or a size such as '512GiB', got "
-                                          f"{_describe(hm)}")
     hr = flat.get("hardware.headroom")
     if hr is not None:
         if isinstance(hr, (int, float)) and not isinstance(hr, bool) and 0 <= hr < 1:

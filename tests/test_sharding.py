@@ -33,13 +33,20 @@ def est(model, args, **kw):
 
 
 def ds(stage, world, off_opt=False, off_param=False):
-    z = {"stage": stage}
-    if off_opt:
-        z["offload_optimizer"] = {"device": "cpu"}
-    if off_param:
-        z["offload_param"] = {"device": "cpu"}
-    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-            "train_batch_size": world, "bf16": {"enabled": True}, "zero_optimization": z}
+    """A minimal DeepSpeed config (bench/sharding.py's)."""
+    _bench()
+    from sharding import _ds_config
+
+    return _ds_config(stage, off_opt, off_param, world)
+
+
+def _bench():
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,14 +139,11 @@ def test_fsdp_and_deepspeed_together_is_bad_input():
 
 
 def _run_and_estimate(spec):
-    import sys
-    from pathlib import Path
-
     from transformers import AutoConfig
 
     from hf_memkit._groundtruth_dist import measure_distributed_peak
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    _bench()
     from sharding import _our_args
 
     m = measure_distributed_peak(spec, nproc=2)
@@ -150,10 +154,7 @@ def _run_and_estimate(spec):
 
 
 def _small_case(mode, **kw):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    _bench()
     import _dist_cases
 
     name = kw.pop("name")
