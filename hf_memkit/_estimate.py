@@ -454,6 +454,10 @@ def estimate_for(spec: _ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq
     if sh.engine != "none":
         notes.append(f"per rank of {sh.label()}")
         notes.extend(rs.notes)
+    if sh.engine == "fsdp" and dev.kind != "cuda":
+        notes.append("FSDP through the Trainer needs CUDA: on a CPU, accelerate drops the FSDP "
+                     "plugin and the Trainer silently trains DDP replicas; this estimate is for "
+                     "FSDP2 applied directly (fully_shard / accelerate's fsdp2_prepare_model)")
     if rs.host:
         notes.append(f"{format_bytes(rs.host)} per rank offloaded to host (CPU) memory")
     if om.paged:

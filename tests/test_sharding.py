@@ -338,3 +338,8 @@ def test_sharding_beats_a_replica_squeezed_by_slow_savers():
                 and c.checkpointing]
     assert not ddp_fits or all(c.rel_time > 1 for c in ddp_fits)
     assert squeezed and all(c.rel_time > 1 for c in squeezed)
+
+
+def test_fsdp_on_cpu_says_the_trainer_would_run_ddp():
+    e = est(TINY, {"fsdp": True, "fsdp_config": {"version": 2}}, device="cpu", num_gpus=2)
+    assert any("silently trains DDP" in n for n in e.notes)
