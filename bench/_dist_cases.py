@@ -55,4 +55,17 @@ def cases() -> list[dict[str, Any]]:
         _spec("fsdp2-full-shard-bf16", "fsdp2",
               fsdp={"reshard_after_forward": True, "mixed_precision": "bf16",
                     "transformer_layer_cls_to_wrap": wrap}),
+        # DeepSpeed on its CPU accelerator (gloo), bf16, the Trainer's path with a client
+        # torch AdamW; buckets small enough for this model (DeepSpeed's defaults are 5e8)
+        _deepspeed("deepspeed-zero2-bf16", {"stage": 2, "reduce_bucket_size": 500_000,
+                                            "allgather_bucket_size": 500_000}),
+        _deepspeed("deepspeed-zero3-bf16", {"stage": 3, "reduce_bucket_size": 500_000,
+                                            "stage3_prefetch_bucket_size": 500_000,
+                                            "stage3_param_persistence_threshold": 0}),
     ]
+
+
+def _deepspeed(name: str, zero: dict[str, Any]) -> dict[str, Any]:
+    spec = _spec(name, "deepspeed", optim="adamw_torch", bf16=True)
+    spec["deepspeed"] = {"bf16": {"enabled": True}, "zero_optimization": zero}
+    return spec

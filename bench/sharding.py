@@ -12,7 +12,8 @@
    per parameter, for reference: the paper's accounting has no fp32 gradient partitions and no
    gathered layer, DeepSpeed's (which the estimator follows) has both.
 3. Measured vs estimated per-rank peak of the 2-process CPU runs in ``bench/_dist_cases.py``
-   (DDP through the real Trainer, FSDP2 through accelerate's ``fsdp2_prepare_model``; gloo).
+   (DDP through the real Trainer, FSDP2 through accelerate's ``fsdp2_prepare_model``, DeepSpeed
+   ZeRO-2/3 on its CPU accelerator; gloo).
    Bar: within 8%. On CPU, "device" and host are one memory, so the offload run holds exactly what
    full shard holds; it is shown against the full-shard estimate and left out of the bar.
 4. The planner's choice for Llama-3.1-70B on 8 x H100-80GB and 2 x A100-40GB.
@@ -152,7 +153,19 @@ def _our_args(spec: dict) -> dict:
                                "transformer_layer_cls_to_wrap": f["transformer_layer_cls_to_wrap"]}
         if f.get("mixed_precision") == "bf16":
             args["bf16"] = True
+    if spec["mode"] == "deepspeed":
+        mb = args["per_device_train_batch_size"]
+        accum = args.get("gradient_accumulation_steps", 1)
+        args["deepspeed"] = dict(spec["deepspeed"], train_micro_batch_size_per_gpu=mb,
+                                 gradient_accumulation_steps=accum,
+                                 train_batch_size=mb * accum * _dist_cases_nproc())
     return args
+
+
+def _dist_cases_nproc() -> int:
+    import _dist_cases
+
+    return _dist_cases.NPROC
 
 
 def vs_runs(console: Console, measured_path: str | None) -> list[dict]:

@@ -75,7 +75,7 @@ from typing import Any
 from ._groundtruth import _synthetic, build_model, close_window, open_window
 from ._rss import alive_cpu_tensor_bytes
 
-_MODES = ("ddp", "fsdp2")
+_MODES = ("ddp", "fsdp2", "deepspeed")
 _OUT_ENV = "HF_MEMKIT_DIST_OUT"
 
 
@@ -189,6 +189,9 @@ def _check_spec(spec: dict[str, Any], nproc: int) -> None:
             problems.append(f"missing `{key}`")
     if not isinstance(nproc, int) or nproc < 1:
         problems.append(f"nproc must be a positive int, got {nproc!r}")
+    if spec.get("mode") == "deepspeed" and not isinstance(spec.get("deepspeed"), dict):
+        problems.append("mode='deepspeed' needs `deepspeed`: a DeepSpeed config dict (its "
+                        "zero_optimization, bf16 and bucket sizes; batch sizes are filled in)")
     if spec.get("mode") == "ddp" and spec.get("fsdp"):
         problems.append("`fsdp` options need mode='fsdp2'")
     unknown = set(spec.get("fsdp") or {}) - {"reshard_after_forward", "offload", "mixed_precision",
@@ -443,6 +446,55 @@ def _run_fsdp2(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
             "data_digest": _digest([batches[0]["input_ids"]])}
 
 
+def _run_deepspeed(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
+    """DeepSpeed ZeRO on its CPU accelerator over gloo, as the Trainer drives it when the
+    DeepSpeed config has no optimizer section: the Trainer's optimizer is handed to
+    ``deepspeed.initialize`` (here torch AdamW), ``engine.backward`` / ``engine.step`` on every
+    micro-batch (DeepSpeed steps at the accumulation boundary)."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    steps = max(2, int(spec.get("steps", 3)))
+    a = dict(spec.get("args") or {})
+    mb = int(a.get("per_device_train_batch_size", spec.get("micro_batch", 1)))
+    accum = int(a.get("gradient_accumulation_steps", 1))
+    cfg = json.loads(json.dumps(spec["deepspeed"]))
+    cfg.update(train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=accum,
+               train_batch_size=mb * accum * world)
+    cfg.setdefault("gradient_clipping", float(a.get("max_grad_norm", 1.0)))  # the Trainer's
+    model = build_model(spec, workdir)
+    full_param_bytes = sum(_tensor_bytes(p) for p in model.parameters())
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=float(a.get("learning_rate", 1e-3)), foreach=False)
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
+    data = _data(spec, model.config, mb * accum * steps, seed=1 + rank)
+    batches = [{k: torch.stack([x[k] for x in data[i:i + mb]]) for k in data[0]}
+               for i in range(0, len(data), mb)]
+    records: list[dict[str, Any]] = []
+    losses: list[float] = []
+    for step in range(steps):
+        micro = batches[step * accum:(step + 1) * accum]
+        opened = open_window(alive_cpu_tensor_bytes())
+        total = torch.zeros(())
+        for batch in micro:
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float() / len(micro)
+        records.append({"step": step + 1, **close_window(opened)})
+        del loss, batch
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+    return {"rank": rank, "world_size": world, "steps": records, "losses": losses,
+            "full_param_bytes": full_param_bytes,
+            "local_param_bytes": sum(_tensor_bytes(p) for p in engine.module.parameters()),
+            "deepspeed": {"stage": engine.zero_optimization_stage(), "config": cfg},
+            "data_digest": _digest([batches[0]["input_ids"]])}
+
+
 def _rank_main(spec: dict[str, Any]) -> dict[str, Any]:
     with open(os.path.join(os.environ[_OUT_ENV], f"pid{os.environ.get('RANK', '0')}"), "w") as f:
         f.write(str(os.getpid()))  # so that the parent can end this rank after a timeout
@@ -450,7 +502,8 @@ def _rank_main(spec: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError("MALLOC_MMAP_THRESHOLD_=65536 must be set when the process starts")
     with tempfile.TemporaryDirectory() as workdir:
         t0 = time.perf_counter()
-        result = (_run_ddp if spec["mode"] == "ddp" else _run_fsdp2)(spec, workdir)
+        run = {"ddp": _run_ddp, "fsdp2": _run_fsdp2, "deepspeed": _run_deepspeed}[spec["mode"]]
+        result = run(spec, workdir)
         result["seconds"] = time.perf_counter() - t0
     steady = [r for r in result["steps"] if r["step"] >= 2] or result["steps"]
     result["peak"] = max(r["peak"] for r in steady)

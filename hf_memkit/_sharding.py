@@ -28,8 +28,10 @@ What each engine keeps on one GPU (Psi = parameters, N = ranks):
   ``estimate_zero2/3_model_states_mem_needs`` print it): 16-bit parameters (partitioned at
   stage 3), fp32 master weights, Adam moments and fp32 gradient partitions / N (ZeRO-2: 18 B per
   parameter over N with 16-bit parameters whole; ZeRO-3: 18 B / N plus two gathered copies of the
-  largest module, 4 B x its parameters). ZeRO-1 partitions only master weights, moments and fp32
-  gradients (16 B / N) and keeps 16-bit gradients whole. ``offload_optimizer`` moves master
+  largest module, 4 B x its parameters; gathered parameters beyond those stay live up to
+  ``stage3_max_live_parameters`` and are counted as a forward/backward transient). ZeRO-1
+  partitions only master weights, moments and fp32 gradients (16 B / N) and keeps 16-bit
+  gradients whole. ``offload_optimizer`` moves master
   weights, moments and gradient partitions to the host; ``offload_param`` (stage 3) the 16-bit
   partitions too. Reduce / all-gather / prefetch buckets are counted as temporaries.
 """
@@ -96,6 +98,7 @@ class Sharding:
     reduce_bucket: int = 0               # DeepSpeed reduce_bucket_size
     allgather_bucket: int = 0            # DeepSpeed allgather_bucket_size (ZeRO-1/2)
     prefetch_bucket: int = 0             # DeepSpeed stage3_prefetch_bucket_size
+    max_live: int = 0                    # DeepSpeed stage3_max_live_parameters
 
     def label(self) -> str:
         if self.engine == "none":
@@ -225,6 +228,8 @@ def sharding_from_args(get, num_gpus: int | None) -> tuple[Sharding, list[str]]:
                         allgather_bucket=num("allgather_bucket_size", DS_ALLGATHER_BUCKET)
                         if stage in (1, 2) else 0,
                         prefetch_bucket=num("stage3_prefetch_bucket_size", int(5e7))
+                        if stage == 3 else 0,
+                        max_live=num("stage3_max_live_parameters", int(1e9))
                         if stage == 3 else 0), notes
     if world > 1:
         bucket = get("ddp_bucket_cap_mb")
@@ -325,6 +330,12 @@ def rank_states(sh: Sharding, *, weight_bytes: int, grad_bytes: int, n_trainable
         g, o = _ceil(g16 + g32, n), _ceil(optimizer_state, n)
     r = RankStates(w, g, o, _ceil(optimizer_transient, n) if stage >= 1 else optimizer_transient)
     r.buckets = (sh.reduce_bucket + sh.allgather_bucket + sh.prefetch_bucket) * p
+    if stage == 3:
+        # gathered parameters stay resident up to stage3_max_live_parameters before DeepSpeed
+        # releases them: beyond the estimator's two copies of the largest module (counted in
+        # the model states above), the forward and backward can hold that many
+        live = min(sh.max_live or psi, psi) * p
+        r.gathered_forward = r.gathered_backward = max(0, live - gathered)
     if sh.offload_optimizer:  # master weights, moments and gradient partitions to the host
         r.host = _ceil(master, n) + o + (_ceil(g16 + g32, n) if stage >= 2 else _ceil(g32, n))
         r.weights = (params16 if stage < 3 else _ceil(params16, n) + gathered)
@@ -416,6 +427,7 @@ def deepspeed_config_for(sh: Sharding, *, micro_batch: int, grad_accum: int, pre
     if sh.stage == 3:
         z.update(stage3_prefetch_bucket_size=sh.prefetch_bucket or int(0.9 * hidden * hidden),
                  stage3_param_persistence_threshold=10 * hidden,
+                 stage3_max_live_parameters=sh.max_live or int(1e9),
                  stage3_gather_16bit_weights_on_model_save=True)
     if sh.offload_optimizer:
         z["offload_optimizer"] = {"device": "cpu", "pin_memory": True}

@@ -166,7 +166,8 @@ def _small_case(mode, **kw):
 
 
 @pytest.mark.parametrize("name,mode", [("ddp-fp32-adamw", "ddp"),
-                                       ("fsdp2-full-shard", "fsdp2")])
+                                       ("fsdp2-full-shard", "fsdp2"),
+                                       ("deepspeed-zero3-bf16", "deepspeed")])
 def test_two_process_run_matches_per_rank_estimate(name, mode):
     m, predicted = _run_and_estimate(_small_case(mode, name=name))
     assert len(m["ranks"]) == 2
