@@ -154,18 +154,14 @@ def _our_args(spec: dict) -> dict:
         if f.get("mixed_precision") == "bf16":
             args["bf16"] = True
     if spec["mode"] == "deepspeed":
+        import _dist_cases
+
         mb = args["per_device_train_batch_size"]
         accum = args.get("gradient_accumulation_steps", 1)
         args["deepspeed"] = dict(spec["deepspeed"], train_micro_batch_size_per_gpu=mb,
                                  gradient_accumulation_steps=accum,
-                                 train_batch_size=mb * accum * _dist_cases_nproc())
+                                 train_batch_size=mb * accum * _dist_cases.NPROC)
     return args
-
-
-def _dist_cases_nproc() -> int:
-    import _dist_cases
-
-    return _dist_cases.NPROC
 
 
 def vs_runs(console: Console, measured_path: str | None) -> list[dict]:

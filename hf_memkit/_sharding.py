@@ -1,7 +1,7 @@
 """Per-rank memory of data-parallel engines: DDP, FSDP2 and DeepSpeed ZeRO-1/2/3 (+ CPU offload).
 
 Data flow: ``TrainingArguments`` fields (``fsdp``/``fsdp_config``, ``deepspeed``,
-``ddp_bucket_cap_mb``) + ``num_gpus`` -> ``Sharding`` (``sharding_from_args``) ->
+``accelerator_config``) + ``num_gpus`` -> ``Sharding`` (``sharding_from_args``) ->
 ``rank_states`` (what one rank holds: sharded states, gathered layers, buckets, what lives on
 the host) -> ``_estimate.estimate_for`` adds the replicated activations per phase.
 
@@ -71,8 +71,6 @@ FSDP_CONFIG_KEYS = {
     "xla": "PyTorch/XLA FSDP", "xla_fsdp_v2": "PyTorch/XLA FSDPv2",
     "xla_fsdp_grad_ckpt": "PyTorch/XLA checkpointing", "xla_fsdp_settings": "PyTorch/XLA settings",
 }
-# DDP reducer default bucket size (torch.nn.parallel.DistributedDataParallel bucket_cap_mb).
-DDP_BUCKET_MB = 25
 # DeepSpeed defaults the planner writes explicitly (HF's "auto" values: hidden^2 and 0.9 hidden^2).
 DS_ALLGATHER_BUCKET = int(5e8)
 
@@ -92,7 +90,6 @@ class Sharding:
     offload_optimizer: bool = False
     mixed_precision: bool = False        # FSDP: param/reduce dtype 16-bit
     grad_as_bucket_view: bool = False    # DDP
-    bucket_cap_mb: int = DDP_BUCKET_MB   # DDP
     sync_each_batch: bool = False        # FSDP + accumulation: reduce-scatter every micro-step
     activation_checkpointing: bool = False  # FSDP's own (fsdp_config), instead of the Trainer's
     reduce_bucket: int = 0               # DeepSpeed reduce_bucket_size
@@ -232,8 +229,8 @@ def sharding_from_args(get, num_gpus: int | None) -> tuple[Sharding, list[str]]:
                         max_live=num("stage3_max_live_parameters", int(1e9))
                         if stage == 3 else 0), notes
     if world > 1:
-        bucket = get("ddp_bucket_cap_mb")
-        return Sharding("ddp", world, 0, bucket_cap_mb=int(bucket or DDP_BUCKET_MB)), notes
+        # the reducer's buckets (ddp_bucket_cap_mb each) together hold every gradient
+        return Sharding("ddp", world, 0), notes
     return Sharding(), notes
 
 
