@@ -29,8 +29,9 @@ $(VENV)/.dev: pyproject.toml constraints.txt $(VENV)/.torch
 demo: $(VENV)/.demo
 	$(VENV)/bin/hf-memkit train recipes/tiny-llama/1m_full_cpu.yaml
 
+# every extra is installed here, so a missing one (or ../shared) fails instead of skipping
 test: $(VENV)/.dev
-	$(VENV)/bin/python -m pytest -q
+	HF_MEMKIT_STRICT_TESTS=1 $(VENV)/bin/python -m pytest -q
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check hf_memkit tests bench

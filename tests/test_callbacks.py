@@ -28,7 +28,7 @@ from hf_memkit._synthetic import SyntheticTextDataset, tiny_llama_config
 from hf_memkit._units import GiB, MiB
 from hf_memkit.callbacks import MemoryCallback, ThroughputCallback
 
-from .conftest import A100_80, make_fake_pynvml
+from .conftest import A100_80, make_fake_pynvml, require
 
 SPEC = {"config": tiny_llama_config(hidden_size=128, num_hidden_layers=2).to_dict(),
         "task": "causal-lm", "seq_len": 256, "steps": 4,
@@ -283,7 +283,7 @@ def test_flops_formula_full_and_lora():
     assert mf == 6 * n + 12 * 2 * 64 * 32 and hf == mf
     _, hf_ckpt = flops_per_token(t, 32, checkpointing=True)
     assert hf_ckpt == mf + 2 * n + 4 * 2 * 64 * 32
-    peft = pytest.importorskip("peft")
+    peft = require("peft")
     lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     t = flops_per_token_terms(lora)
     nt = sum(p.numel() for p in lora.parameters() if p.requires_grad)

@@ -21,6 +21,8 @@ from hf_memkit import _estimate
 from hf_memkit._groundtruth import measure_trainer_peak
 from hf_memkit._units import GiB, MiB
 
+from .conftest import require
+
 LLAMA = LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=3, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=4000, tie_word_embeddings=False)
 
@@ -158,7 +160,7 @@ def test_eval_stage_is_forward_only_with_states_resident():
 
 
 def test_lora_and_qlora_states_by_hand():
-    peft = pytest.importorskip("peft")
+    peft = require("peft")
     from transformers import BitsAndBytesConfig
 
     lora_cfg = peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"])

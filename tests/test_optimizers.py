@@ -14,6 +14,8 @@ from hf_memkit._optimizers import (
     supported_optimizers,
 )
 
+from .conftest import require
+
 BIG = ParamInfo(1000 * 256, (1000, 256), 4)
 SMALL = ParamInfo(256, (256,), 4)
 EMB = ParamInfo(500 * 64, (500, 64), 4, embedding=True)
@@ -72,8 +74,8 @@ def _real_state_bytes(opt: torch.optim.Optimizer) -> int:
     ("adamw_torch", lambda ps: torch.optim.AdamW(ps)),
     ("adafactor", lambda ps: __import__("transformers").Adafactor(
         ps, lr=1e-3, scale_parameter=False, relative_step=False)),
-    ("adamw_bnb_8bit", lambda ps: pytest.importorskip("bitsandbytes").optim.AdamW(ps, optim_bits=8)),
-    ("lion_8bit", lambda ps: pytest.importorskip("bitsandbytes").optim.Lion(ps, optim_bits=8)),
+    ("adamw_bnb_8bit", lambda ps: require("bitsandbytes").optim.AdamW(ps, optim_bits=8)),
+    ("lion_8bit", lambda ps: require("bitsandbytes").optim.Lion(ps, optim_bits=8)),
 ])
 def test_state_matches_the_real_optimizer(name, make):
     params = [torch.nn.Parameter(torch.randn(300, 128)), torch.nn.Parameter(torch.randn(128))]

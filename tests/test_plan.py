@@ -19,6 +19,8 @@ from hf_memkit._simulate import SimulatedMemoryBudget
 from hf_memkit._synthetic import SyntheticTextDataset
 from hf_memkit._units import GiB, MiB
 
+from .conftest import require
+
 TINY = LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, vocab_size=2000,
                    tie_word_embeddings=False, attention_dropout=0.0)
@@ -133,9 +135,9 @@ def test_simulated_budget_really_fails_when_exceeded(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["lora", "qlora"])
 def test_lora_and_qlora_plans_train_through_the_trainer(method, tmp_path):
-    pytest.importorskip("peft")
+    require("peft")
     if method == "qlora":
-        pytest.importorskip("bitsandbytes")
+        require("bitsandbytes")
     p = plan(method=method)
     assert p.chosen.method == method and p.peft_config is not None
     if method == "qlora":
@@ -157,7 +159,7 @@ def test_lora_and_qlora_plans_train_through_the_trainer(method, tmp_path):
 
 
 def test_auto_fallback_to_lora_only_when_no_full_setup_fits():
-    pytest.importorskip("peft")
+    require("peft")
     states = mk.profile_model(TINY).total_params * 4 * 3  # fp32 weights + grads + one moment
     p = plan(max_memory=int(states * 0.9))
     assert p.chosen.method in ("lora", "qlora")
@@ -260,8 +262,8 @@ def test_explain_mentions_choice_and_rejections():
 
 @pytest.mark.slow
 def test_lora_ladder_reaches_the_8bit_base_before_giving_up():
-    pytest.importorskip("peft")
-    pytest.importorskip("bitsandbytes")
+    require("peft")
+    require("bitsandbytes")
     start = plan(method="lora", max_memory=64 * GiB)
     assert start.chosen.method == "lora"
     # the smallest LoRA (full-precision base) setup, then budgets just below it

@@ -21,6 +21,8 @@ from transformers import (
 import hf_memkit as mk
 from hf_memkit._model_catalog import list_models
 
+from .conftest import require
+
 TINY = {
     "llama-gqa-untied": (LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=500,
@@ -89,7 +91,7 @@ def test_frozen_and_dtype_counts_on_loaded_model():
 
 
 def test_peft_model_profile():
-    peft = pytest.importorskip("peft")
+    peft = require("peft")
     config = TINY["llama-gqa-untied"][0]
     model = AutoModelForCausalLM.from_config(config)
     base_count = sum(p.numel() for p in model.parameters())

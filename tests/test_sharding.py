@@ -19,6 +19,8 @@ from hf_memkit._sharding import (
 )
 from hf_memkit._units import GiB
 
+from .conftest import require
+
 TINY = LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, vocab_size=2000,
                    tie_word_embeddings=False, attention_dropout=0.0)
@@ -67,7 +69,7 @@ def test_ddp_rank_holds_a_replica_plus_gradient_buckets():
 @pytest.mark.parametrize("name", ["gpt2-xl", "Llama-3.1-8B"])
 @pytest.mark.parametrize("world", [8, 64])
 def test_zero_model_states_match_deepspeeds_estimators(name, world):
-    pytest.importorskip("deepspeed")
+    require("deepspeed")
     import torch
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
@@ -219,7 +221,7 @@ def _model_kw(p):
 
 
 def test_deepspeed_when_preferred_and_config_checked_by_deepspeed(tmp_path):
-    pytest.importorskip("deepspeed")
+    require("deepspeed")
     p = plan(device="A100-40GB", num_gpus=8, engine="deepspeed")
     cfg = p.training_args_kwargs["deepspeed"]
     assert cfg["zero_optimization"]["stage"] in (2, 3)
