@@ -15,8 +15,7 @@ from typing import Any
 import torch
 
 from hf_memkit import _cuda
-from hf_memkit._model_catalog import load_bundled_config
-from hf_memkit._profile import build_model
+from hf_memkit._model import build_model, load_bundled_config
 from hf_memkit._trace import layer_count, trace_step, with_layers
 
 ROOT = Path(__file__).resolve().parents[1]

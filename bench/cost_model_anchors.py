@@ -19,9 +19,9 @@ from pathlib import Path
 import yaml
 
 from hf_memkit import get_device
-from hf_memkit._model_catalog import load_bundled_config
-from hf_memkit._plan import Candidate, _cost
-from hf_memkit._profile import architecture_facts
+from hf_memkit._model import architecture_facts, load_bundled_config
+from hf_memkit._plan import Candidate
+from hf_memkit._plan.cost import Shape, cost
 
 ANCHORS = Path(__file__).resolve().parents[2] / "shared" / "anchors" / "published_gpu_cases.yaml"
 MODELS = {"EleutherAI/pythia-410m-deduped": ("pythia-410m", "RTX-3080Ti-Laptop-16GB"),
@@ -47,10 +47,10 @@ def predicted_time(model: str, gpu: str, *, batch: int, seq: int, attn: str = "s
     f = architecture_facts(load_bundled_config(model))
     c = Candidate(method, precision, optim, ckpt, batch, 1, attn, 0.0)
     n = N[model]
-    return batch * _cost(c, n_params=n, n_trainable=n if n_trainable is None else n_trainable,
-                         layers=f["num_layers"], hidden=f["hidden_size"], seq_len=seq,
-                         target=max(target, batch), dev=get_device(gpu),
-                         heads=f["num_attention_heads"])
+    shape = Shape(n, f["num_layers"], f["hidden_size"], f["num_attention_heads"], seq,
+                  max(target, batch))
+    return batch * cost(c, shape, n_trainable=n if n_trainable is None else n_trainable,
+                        dev=get_device(gpu))
 
 
 def sdpa_rows(cases):

@@ -1,7 +1,7 @@
 """Measured per-rank peak tensor memory of the 2-process CPU sharding cases (``_dist_cases``).
 
 Each case trains for real under ``torchrun --nproc_per_node 2`` with the gloo backend
-(``hf_memkit._groundtruth_dist``): DDP through the ``transformers.Trainer``, FSDP2 through
+(``hf_memkit.testing.groundtruth_dist``): DDP through the ``transformers.Trainer``, FSDP2 through
 accelerate's own ``fsdp2_prepare_model`` in a Trainer-like loop. Each rank reports its own peak
 (RSS window with ``MALLOC_MMAP_THRESHOLD_=65536``, steady steps >= 2) and its local parameter,
 gradient and optimizer-state bytes. Nothing here is estimated; ``bench/sharding.py`` compares.
@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _dist_cases import NPROC, cases  # noqa: E402
 
-from hf_memkit._groundtruth_dist import measure_distributed_peak  # noqa: E402
 from hf_memkit._units import MiB  # noqa: E402
+from hf_memkit.testing.groundtruth_dist import measure_distributed_peak  # noqa: E402
 
 
 def measure(only: str | None = None) -> list[dict]:

@@ -1,7 +1,7 @@
 """Estimator vs an independent CPU measurement, over a matrix of real Trainer runs.
 
 Each case is trained for 3 steps through the real ``transformers.Trainer`` in a child process
-(``hf_memkit._groundtruth``: RSS with ``MALLOC_MMAP_THRESHOLD_=65536``, peak reset through
+(``hf_memkit.testing.groundtruth``: RSS with ``MALLOC_MMAP_THRESHOLD_=65536``, peak reset through
 ``/proc/self/clear_refs``, plus the bytes of tensors alive when the window opens; steady-state
 steps). The prediction is ``estimate_memory(...).peak_allocated`` for the same setup, made without
 running anything. Two baselines are shown side by side:
@@ -36,8 +36,8 @@ from transformers import (
 )
 
 import hf_memkit as mk
-from hf_memkit._groundtruth import measure_trainer_peak
 from hf_memkit._units import MiB
+from hf_memkit.testing.groundtruth import measure_trainer_peak
 
 LLAMA = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                     num_attention_heads=4, num_key_value_heads=2, vocab_size=8000,

@@ -4,7 +4,7 @@ For a small Llama (fp32, seq 256, target batch 16) this runs the exhaustive grid
 fine-tuning setups the CPU planner can choose from (micro-batch 1..16 x checkpointing x
 {fused AdamW, 8-bit AdamW, Adafactor}), each through the real Trainer in its own process with
 peak memory measured by the RSS method and samples/s over the steady steps
-(``hf_memkit._groundtruth``). Then, for budgets from generous to tight, it compares:
+(``hf_memkit.testing.groundtruth``). Then, for budgets from generous to tight, it compares:
   * the plan (``plan_training(..., max_memory=budget, method="full")``): did its setup fit
     (measured), its samples/s as a fraction of the fastest grid setup that fits (measured),
     effective batch kept, OOM retries (a plan never retries: 0 by construction, counted anyway by
@@ -32,10 +32,10 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments
 
 import hf_memkit as mk
-from hf_memkit._groundtruth import measure_trainer_peak
-from hf_memkit._simulate import SimulatedMemoryBudget
 from hf_memkit._synthetic import SyntheticTextDataset
 from hf_memkit._units import MiB
+from hf_memkit.testing.groundtruth import measure_trainer_peak
+from hf_memkit.testing.simulate import SimulatedMemoryBudget
 
 CFG = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=8000,

@@ -61,7 +61,8 @@ def _deepspeed_counts(name: str) -> tuple[int, int]:
     import torch
     from deepspeed.runtime.zero.stage3 import model_to_params
 
-    from hf_memkit._profile import _to_config, build_model
+    from hf_memkit._model import build_model
+    from hf_memkit._model import to_config as _to_config
 
     with torch.device("meta"):
         model = build_model(_to_config(name), "causal-lm")
@@ -168,7 +169,7 @@ def vs_runs(console: Console, measured_path: str | None) -> list[dict]:
     import _dist_cases
     from transformers import AutoConfig
 
-    from hf_memkit._groundtruth_dist import measure_distributed_peak
+    from hf_memkit.testing.groundtruth_dist import measure_distributed_peak
 
     measured = {}
     if measured_path:

@@ -12,8 +12,8 @@ Data flow (see README):
 from ._device import DeviceInfo, get_device, list_devices, probe_device
 from ._errors import ConfigError, HfMemkitError
 from ._estimate import MemoryEstimate, estimate_memory
+from ._model import ModelProfile, profile_model
 from ._plan import Candidate, Plan, auto_training_args, max_batch_size, max_seq_len, plan_training
-from ._profile import ModelProfile, profile_model
 from ._recipe import Recipe, load_recipe
 from ._version import __version__
 from .callbacks import (

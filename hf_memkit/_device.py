@@ -231,7 +231,7 @@ def _torch_mem_get_info(index: int, props: Any) -> tuple[int | None, int]:
         return None, int(props.total_memory)
 
 
-def _nvml_handle(pynvml: Any, index: int) -> Any:
+def nvml_handle(pynvml: Any, index: int) -> Any:
     """NVML enumerates in PCI order; CUDA in CUDA_VISIBLE_DEVICES order. Map one to the other."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
     if visible:
@@ -257,7 +257,7 @@ def _nvml_query(index: int) -> dict[str, Any] | None:
         logger.warning("NVML failed to initialise (%s); using torch.cuda for device memory", exc)
         return None
     try:
-        handle = _nvml_handle(pynvml, index)
+        handle = nvml_handle(pynvml, index)
         name = pynvml.nvmlDeviceGetName(handle)
         if isinstance(name, bytes):
             name = name.decode()

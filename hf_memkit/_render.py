@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from ._device import DeviceInfo
-from ._profile import ModelProfile
+from ._model import ModelProfile
 from ._units import format_bytes
 
 

@@ -3,7 +3,8 @@ its field names -> ``TrainingSetup``, the estimator's normalised input.
 
 Defaults and field names are read from the installed transformers, never hard-coded: a plan for
 another machine can then be a plain dict (``TrainingArguments`` validates bf16/tf32 against
-*this* machine, DESIGN.md).
+*this* machine, DESIGN.md). Memory techniques are read by their registry entries
+(``_techniques``), the data-parallel engine by its (``_engines``).
 """
 
 from __future__ import annotations
@@ -16,16 +17,17 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from ._engines import Sharding, sharding_from_args
 from ._errors import ConfigError, HfMemkitError, did_you_mean
 from ._optimizers import get_optimizer_profile
-from ._sharding import Sharding, sharding_from_args
+from ._techniques import TechniqueUse, read_techniques, unmodelled
+from ._techniques.checkpointing import NAME as CHECKPOINTING
 
-# Settings that change memory which the estimator does not model yet: warned, never ignored.
-UNMODELLED = {
-    "torch_compile": "torch.compile fuses kernels and changes activation memory",
-    "use_liger_kernel": "Liger kernels (fused cross-entropy, RMSNorm) change activation memory",
-    "neftune_noise_alpha": "NEFTune adds a noise tensor per embedding output",
-}
+# Fields that never change what a traced forward/backward allocates: the trace cache key is every
+# other field of the setup, so a new field (or technique) is part of the key by construction.
+TRACE_INDEPENDENT = frozenset({
+    "micro_batch", "eval_batch", "grad_accum", "optim", "optim_args", "max_grad_norm", "tf32",
+    "eval_accumulation_steps", "prediction_loss_only", "sharding", "unmodelled", "notes"})
 
 
 @dataclass(frozen=True)
@@ -37,20 +39,60 @@ class TrainingSetup:
     eval_batch: int = field(metadata={"help": "per_device_eval_batch_size"})
     amp: str | None = field(metadata={"help": "'bf16' / 'fp16' autocast, or None"})
     tf32: bool = field(metadata={"help": "TF32 matmuls (no memory effect; noted)"})
-    checkpointing: bool = field(metadata={"help": "activation (gradient) checkpointing"})
-    checkpoint_reentrant: bool = field(metadata={"help": "use_reentrant of the checkpoint function"})
-    checkpoint_every_n_layers: int = field(metadata={"help": "checkpoint every n-th block"})
     optim: str = field(metadata={"help": "TrainingArguments.optim value"})
     optim_args: dict[str, str] = field(metadata={"help": "parsed optim_args"})
     max_grad_norm: float = field(metadata={"help": "gradient clipping norm (0 = off)"})
     eval_accumulation_steps: int | None = field(metadata={"help": "move eval preds to CPU every n"})
     prediction_loss_only: bool = field(default=False, metadata={"help": "eval keeps no logits"})
+    techniques: frozenset[TechniqueUse] = field(
+        default=frozenset(), metadata={"help": "memory techniques that are on (_techniques)"})
     sharding: Sharding = field(default_factory=Sharding, metadata={"help": "per-rank split"})
     unmodelled: tuple[str, ...] = field(default=(), metadata={"help": "warned settings"})
     notes: tuple[str, ...] = field(default=(), metadata={"help": "what reading the args assumed"})
 
     def replace(self, **changes: Any) -> TrainingSetup:
         return dataclasses.replace(self, **changes)
+
+    def uses(self, name: str) -> TechniqueUse | None:
+        return next((u for u in self.techniques if u.name == name), None)
+
+    @property
+    def checkpointing(self) -> bool:
+        return self.uses(CHECKPOINTING) is not None
+
+    @property
+    def checkpoint_every_n_layers(self) -> int:
+        use = self.uses(CHECKPOINTING)
+        return int(use.option("every_n_layers", 1)) if use else 1
+
+    def trace_key(self) -> tuple:
+        """Every field a trace can depend on (all but ``TRACE_INDEPENDENT``), hashable."""
+        return tuple((f.name, _hashable(getattr(self, f.name)))
+                     for f in dataclasses.fields(self) if f.name not in TRACE_INDEPENDENT)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["techniques"] = {u.name: dict(u.options) for u in sorted(self.techniques)}
+        d["sharding"] = self.sharding.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainingSetup:
+        d = dict(d)
+        d["sharding"] = Sharding(**d.get("sharding", {}))
+        d["techniques"] = frozenset(TechniqueUse.of(n, o)
+                                    for n, o in (d.get("techniques") or {}).items())
+        d["unmodelled"] = tuple(d.get("unmodelled", ()))
+        d["notes"] = tuple(d.get("notes", ()))
+        return cls(**d)
+
+
+def _hashable(v: Any) -> Any:
+    if isinstance(v, dict):
+        return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
+    if isinstance(v, (set, frozenset)):
+        return tuple(sorted(v))
+    return v
 
 
 @cache
@@ -86,83 +128,85 @@ def parse_optim_args(text: str | dict | None) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in str(text).replace(" ", "").split(",") if "=" in kv)
 
 
-def resolve_checkpointing(d: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
-    """The new name wins when set, as TrainingArguments.__post_init__ does (DESIGN.md)."""
-    new, old = d.get("activation_checkpointing"), d.get("gradient_checkpointing")
-    on = bool(new) if new is not None else bool(old)
-    kw_new, kw_old = d.get("activation_checkpointing_kwargs"), d.get("gradient_checkpointing_kwargs")
-    kwargs = kw_new if kw_new is not None else kw_old
-    return on, dict(kwargs or {})
+class _Reader:
+    """Reads fields (with the installed defaults) and gathers every problem."""
+
+    def __init__(self, d: dict[str, Any], is_ta: bool):
+        self.d, self.is_ta = d, is_ta
+        self.fields = training_args_fields()
+        self.problems: list[str] = []
+        if not is_ta:
+            for k in d:
+                if k not in self.fields:
+                    self.problems.append(f"`{k}` is not a TrainingArguments field"
+                                         f"{did_you_mean(k, self.fields)}")
+
+    def get(self, name: str) -> Any:
+        v = self.d.get(name, self.fields.get(name))
+        return getattr(v, "value", v)  # enums (OptimizerNames) -> str
+
+    def positive_int(self, name: str) -> int:
+        v = self.get(name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            self.problems.append(f"`{name}` must be a positive integer, got {v!r}")
+            return 1
+        return v
+
+    def explicit(self) -> dict[str, Any]:
+        """The fields a user set. ``TrainingArguments`` keeps both checkpointing names in sync;
+        its new name is the truth (DESIGN.md)."""
+        if not self.is_ta:
+            return self.d
+        return {k: v for k, v in self.d.items() if not k.startswith("gradient_checkpointing")}
+
+
+def _check_num_gpus(num_gpus: Any, problems: list[str]) -> int | None:
+    if num_gpus is not None and (not isinstance(num_gpus, int) or isinstance(num_gpus, bool)
+                                 or num_gpus < 1):
+        problems.append(f"num_gpus must be a positive integer, got {num_gpus!r}")
+        return 1
+    return num_gpus
 
 
 def normalize_args(args: TrainingArguments | dict[str, Any] | None, *,
                    source: str = "args", num_gpus: int | None = None) -> TrainingSetup:
     """Read what changes memory; gather every problem and raise them together."""
-    d, is_ta = _as_dict(args)
-    fields = training_args_fields()
-    problems: list[str] = []
-    if not is_ta:
-        for k in d:
-            if k not in fields:
-                problems.append(f"`{k}` is not a TrainingArguments field{did_you_mean(k, fields)}")
-
-    def get(name: str) -> Any:
-        v = d.get(name, fields.get(name))
-        return getattr(v, "value", v)  # enums (OptimizerNames) -> str
-
-    def positive_int(name: str) -> int:
-        v = get(name)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            problems.append(f"`{name}` must be a positive integer, got {v!r}")
-            return 1
-        return v
-
-    micro, accum, eval_b = (positive_int("per_device_train_batch_size"),
-                            positive_int("gradient_accumulation_steps"),
-                            positive_int("per_device_eval_batch_size"))
-    bf16, fp16 = bool(get("bf16")), bool(get("fp16"))
+    r = _Reader(*_as_dict(args))
+    micro, accum, eval_b = (r.positive_int("per_device_train_batch_size"),
+                            r.positive_int("gradient_accumulation_steps"),
+                            r.positive_int("per_device_eval_batch_size"))
+    bf16, fp16 = bool(r.get("bf16")), bool(r.get("fp16"))
     if bf16 and fp16:
-        problems.append("`bf16` and `fp16` are both set; choose one mixed precision")
-    optim = str(get("optim"))
+        r.problems.append("`bf16` and `fp16` are both set; choose one mixed precision")
+    optim = str(r.get("optim"))
     try:
         get_optimizer_profile(optim)
     except ValueError as exc:
-        problems.append(str(exc))
-    ckpt, ckpt_kwargs = resolve_checkpointing(d if not is_ta else {
-        "activation_checkpointing": get("activation_checkpointing"),
-        "activation_checkpointing_kwargs": get("activation_checkpointing_kwargs")})
-    unmodelled = [f"{k}: {why}" for k, why in UNMODELLED.items() if get(k)]
-    if ckpt and ckpt_kwargs.get("offload"):
-        unmodelled.append("activation offloading: saved activations move to host memory")
-    if num_gpus is not None and (not isinstance(num_gpus, int) or isinstance(num_gpus, bool)
-                                 or num_gpus < 1):
-        problems.append(f"num_gpus must be a positive integer, got {num_gpus!r}")
-        num_gpus = 1
+        r.problems.append(str(exc))
+    uses = set(read_techniques(r.explicit(), r.get))
+    num_gpus = _check_num_gpus(num_gpus, r.problems)
     sharding, sharding_notes = Sharding(), []
     try:
-        sharding, sharding_notes = sharding_from_args(get, num_gpus)
+        sharding, sharding_notes = sharding_from_args(r.get, num_gpus)
     except HfMemkitError as exc:
-        problems.append(str(exc))
-    if sharding.activation_checkpointing:  # fsdp_config's own checkpointing: same memory
-        ckpt = True
-    if problems:
-        raise ConfigError(problems, source=source)
-    for msg in unmodelled:
+        r.problems.append(str(exc))
+    if sharding.activation_checkpointing and not any(u.name == CHECKPOINTING for u in uses):
+        # fsdp_config's own checkpointing: the same memory as the Trainer's
+        uses.add(TechniqueUse.of(CHECKPOINTING, {"use_reentrant": False, "every_n_layers": 1,
+                                                 "offload": False}))
+    if r.problems:
+        raise ConfigError(r.problems, source=source)
+    warned = unmodelled(uses)
+    for msg in warned:
         warnings.warn(f"hf_memkit does not model {msg}; the estimate ignores it", stacklevel=3)
-    eval_acc = get("eval_accumulation_steps")
+    eval_acc = r.get("eval_accumulation_steps")
     return TrainingSetup(
         micro_batch=micro, grad_accum=accum, eval_batch=eval_b,
-        amp="bf16" if bf16 else "fp16" if fp16 else None,
-        tf32=bool(get("tf32")),
-        checkpointing=ckpt,
-        checkpoint_reentrant=bool(ckpt_kwargs.get("use_reentrant", False)),
-        checkpoint_every_n_layers=int(ckpt_kwargs.get("every_n_layers", 1) or 1),
-        optim=optim,
-        optim_args=parse_optim_args(get("optim_args")),
-        max_grad_norm=float(get("max_grad_norm") or 0.0),
+        amp="bf16" if bf16 else "fp16" if fp16 else None, tf32=bool(r.get("tf32")),
+        optim=optim, optim_args=parse_optim_args(r.get("optim_args")),
+        max_grad_norm=float(r.get("max_grad_norm") or 0.0),
         eval_accumulation_steps=int(eval_acc) if eval_acc else None,
-        prediction_loss_only=bool(get("prediction_loss_only")),
-        sharding=sharding,
-        unmodelled=tuple(unmodelled),
+        prediction_loss_only=bool(r.get("prediction_loss_only")),
+        techniques=frozenset(uses), sharding=sharding, unmodelled=tuple(warned),
         notes=tuple(sharding_notes),
     )

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import MethodType
 from typing import Any
@@ -139,24 +140,15 @@ def _wrap_amp(model: torch.nn.Module, amp: str) -> None:
 
 def make_batch(task: str, batch: int, seq_len: int, *,
                target_len: int | None = None, padded: bool = False) -> dict[str, torch.Tensor]:
-    """One micro-batch as the default collators produce it (call inside the fake mode)."""
-    ids = torch.zeros(batch, seq_len, dtype=torch.long)
-    b: dict[str, torch.Tensor] = {"input_ids": ids}
+    """One micro-batch as the default collators produce it (call inside the fake mode); the
+    labels are the task's (``_model.tasks``)."""
+    from ._model.tasks import TASKS
+
+    b: dict[str, torch.Tensor] = {"input_ids": torch.zeros(batch, seq_len, dtype=torch.long)}
     if padded:
         b["attention_mask"] = torch.ones(batch, seq_len, dtype=torch.long)
-    if task in ("causal-lm", "masked-lm", "base"):
-        b["labels"] = ids.clone() if task != "base" else None
-    elif task == "seq2seq-lm":
-        t = target_len or seq_len
-        b["labels"] = torch.zeros(batch, t, dtype=torch.long)
-    elif task == "sequence-classification":
-        b["labels"] = torch.zeros(batch, dtype=torch.long)
-    elif task == "token-classification":
-        b["labels"] = torch.zeros(batch, seq_len, dtype=torch.long)
-    elif task == "question-answering":
-        b["start_positions"] = torch.zeros(batch, dtype=torch.long)
-        b["end_positions"] = torch.zeros(batch, dtype=torch.long)
-    return {k: v for k, v in b.items() if v is not None}
+    b.update(TASKS.get(task).labels(batch, seq_len, target_len or seq_len))
+    return b
 
 
 @contextlib.contextmanager
@@ -196,7 +188,7 @@ if MemTracker is not None:
                     self._peak_mem_snap[dev] = dict(snap)
 
 
-def _new_tracker(model: torch.nn.Module, inputs: list[torch.Tensor]) -> Any:
+def new_tracker(model: torch.nn.Module, inputs: list[torch.Tensor]) -> Any:
     """A MemTracker over ``model`` and ``inputs``. torch's MemTracker registers a gradient hook
     on every parameter and fails on frozen ones (a LoRA base); those get a no-op handle."""
     mt = _GlobalPeakTracker()
@@ -319,11 +311,14 @@ def build_fake(model_cls: type, config: Any, *, fm: Any, attn_implementation: st
 
 def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq_len: int,
                grad_accum: int = 1, amp: str | None = None, dtype: torch.dtype = torch.float32,
-               attn_implementation: str | None = None, checkpointing: bool = False,
-               checkpoint_reentrant: bool = False, lora: LoraSpec | None = None,
+               attn_implementation: str | None = None, lora: LoraSpec | None = None,
                stage: str = "train", target_len: int | None = None,
-               padded: bool = False, loss: str = "labels") -> TraceResult:
+               padded: bool = False, loss: str = "labels",
+               hooks: Sequence[Callable[..., None]] = ()) -> TraceResult:
     """Peak bytes of one forward(+loss+backward) of ``config`` on fake tensors.
+
+    ``hooks`` are the setup's memory techniques (``_techniques``): each is called as
+    ``hook(model, stage=..., adapters=...)`` on the fake (base) model before the step.
 
     ``loss="labels"`` is the Trainer's path (the model's own loss from ``labels``);
     ``loss="logits_sum"`` feeds no labels and backpropagates ``logits.sum()``, as some published
@@ -337,14 +332,9 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
     model = build_fake(model_cls, config, fm=fm, attn_implementation=attn_implementation,
                        dtype=dtype, lora=lora)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if stage == "train":
-        if checkpointing:
-            enable_checkpointing(base, {"use_reentrant": checkpoint_reentrant})
-            if checkpoint_reentrant or lora is not None:
-                base.enable_input_require_grads()  # as the Trainer does for PEFT / reentrant
-        model.train()
-    else:
-        model.eval()
+    for hook in hooks:
+        hook(base, stage=stage, adapters=lora is not None)
+    model.train(stage == "train")
     if amp:
         _wrap_amp(model, amp)
     n_micro = min(grad_accum, 2) if stage == "train" else 1
@@ -373,7 +363,7 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
     for i in range(n_micro):
         # a fresh tracker per micro-step registers the gradients the previous one left as such
         suffix = "_accum" if i else ""
-        mt = _new_tracker(model, all_inputs)
+        mt = new_tracker(model, all_inputs)
         with fm, mt, _unpacked_sequences():
             if stage == "train":
                 out = model(**batches[i])

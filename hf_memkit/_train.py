@@ -28,8 +28,6 @@ from torch.utils.data import Dataset
 from ._errors import ConfigError, HfMemkitError
 from ._recipe import Recipe
 
-TRAIN_TASKS = ("causal-lm", "sequence-classification")
-
 
 class TrainingFailed(RuntimeError):
     """The run itself failed (after planning and setup succeeded): exit code 1."""
@@ -100,16 +98,17 @@ def check_trainable_here(recipe: Recipe, *, device: str | None = None) -> None:
                 f"{where}: hardware.num_gpus: {recipe.num_gpus} GPUs need one process per GPU: "
                 f"torchrun --nproc_per_node {recipe.num_gpus} -m hf_memkit.commands.main train "
                 f"{where} (this process runs {world})")
-    from ._profile import normalize_task
+    from ._model.tasks import TASKS, normalize_task
 
     try:
         task = normalize_task(recipe.task, recipe.model_config())
     except HfMemkitError as exc:
         problems.append(f"{where}: model: {exc}")
         task = None
-    if task is not None and task not in TRAIN_TASKS:
+    trainable = [t.name for t in TASKS if t.trainable_by_cli]
+    if task is not None and task not in trainable:
         problems.append(
-            f"{where}: model.task: `hf-memkit train` trains {', '.join(TRAIN_TASKS)}; this "
+            f"{where}: model.task: `hf-memkit train` trains {', '.join(trainable)}; this "
             f"model's task is {task} (set model.task, or plan it with `hf-memkit plan`)")
     if problems:
         raise ConfigError(problems, source=where)
@@ -120,14 +119,6 @@ def check_trainable_here(recipe: Recipe, *, device: str | None = None) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _auto_class(task: str):
-    import transformers
-
-    from ._profile import TASKS
-
-    return getattr(transformers, TASKS[task])
-
-
 def build_model(recipe: Recipe, plan: Any, task: str) -> torch.nn.Module:
     """The model the plan describes: weights from the model directory when it has them, else
     random init from the config. A quantized base (QLoRA, 8-bit LoRA) is saved and reloaded
@@ -135,7 +126,9 @@ def build_model(recipe: Recipe, plan: Any, task: str) -> torch.nn.Module:
     kwargs = dict(plan.model_kwargs)
     quant = kwargs.pop("quantization_config", None)
     kwargs["dtype"] = kwargs.get("dtype") or torch.float32
-    auto = _auto_class(task)
+    from ._model.tasks import auto_class
+
+    auto = auto_class(task)
     load_kw: dict[str, Any] = {}
     if quant is not None and torch.cuda.is_available():
         load_kw["device_map"] = {"": torch.cuda.current_device()}
@@ -349,14 +342,14 @@ def train_recipe(recipe: Recipe, *, plan: Any = None, output_dir: str | None = N
     from transformers import PrinterCallback, ProgressCallback, Trainer
 
     from ._callbacks import MemoryCallback, ThroughputCallback
+    from ._model import normalize_task
     from ._oom import OOMGuardTrainer
-    from ._profile import normalize_task
     from ._rss import set_mmap_threshold
 
     set_mmap_threshold()  # before the model's tensors exist: CPU readings track tensor bytes
     where = recipe.source or "recipe"
     if pins:
-        recipe = _with_pins(recipe, pins)
+        recipe = with_pins(recipe, pins)
     if max_steps is not None:
         recipe = with_max_steps(recipe, max_steps)
     check_trainable_here(recipe)
@@ -426,16 +419,16 @@ def with_max_steps(recipe: Recipe, max_steps: int) -> Recipe:
     logging = recipe.pins.get("logging_steps")
     if isinstance(logging, (int, float)) and logging >= 1 and logging > max_steps // 2:
         pins["logging_steps"] = max(1, max_steps // 2)
-    return _with_pins(recipe, pins)
+    return with_pins(recipe, pins)
 
 
-def _with_pins(recipe: Recipe, pins: dict[str, Any]) -> Recipe:
+def with_pins(recipe: Recipe, pins: dict[str, Any]) -> Recipe:
     import dataclasses
 
-    from ._recipe import _check_pins, _Checker
+    from ._recipe import Checker, check_pins
 
-    c = _Checker("command line")
-    checked = _check_pins(dict(pins), c, dev=None, target=None, gpus=None)
+    c = Checker("command line")
+    checked = check_pins(dict(pins), c, dev=None)
     if c.problems:
         raise ConfigError(c.problems, source="command line")
     return dataclasses.replace(recipe, pins={**recipe.pins, **checked})

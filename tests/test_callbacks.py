@@ -1,6 +1,6 @@
 """MemoryCallback and ThroughputCallback through the real Trainer on CPU.
 
-The CPU values are checked against hf_memkit._groundtruth (VmHWM windows in a child process
+The CPU values are checked against hf_memkit.testing.groundtruth (VmHWM windows in a child process
 started with MALLOC_MMAP_THRESHOLD_=65536), the keys in log_history and in a real TensorBoard
 event file; the CUDA path runs on fakes of the torch.cuda allocator stats and NVML.
 """
@@ -23,10 +23,10 @@ from transformers.trainer_callback import TrainerState
 from hf_memkit._callbacks import memory as memory_mod
 from hf_memkit._callbacks._readers import CudaReader
 from hf_memkit._callbacks.throughput import flops_per_token, flops_per_token_terms
-from hf_memkit._groundtruth import measure_trainer_peak
 from hf_memkit._synthetic import SyntheticTextDataset, tiny_llama_config
 from hf_memkit._units import GiB, MiB
 from hf_memkit.callbacks import MemoryCallback, ThroughputCallback
+from hf_memkit.testing.groundtruth import measure_trainer_peak
 
 from .conftest import A100_80, make_fake_pynvml, require
 
@@ -37,12 +37,12 @@ SPEC = {"config": tiny_llama_config(hidden_size=128, num_hidden_layers=2).to_dic
 CHILD = textwrap.dedent("""
     import json, os, sys, torch, transformers
     import hf_memkit as mk
-    from hf_memkit._groundtruth import build_model, _synthetic
+    from hf_memkit.testing.groundtruth import build_model, synthetic_examples
     from hf_memkit.callbacks import MemoryCallback, ThroughputCallback
     spec, out = json.loads(sys.argv[1]), sys.argv[2]
     model = build_model(spec, out)
     a = dict(spec["args"])
-    data = _synthetic(spec, model.config, a["per_device_train_batch_size"] * (spec["steps"] + 1))
+    data = synthetic_examples(spec, model.config, a["per_device_train_batch_size"] * (spec["steps"] + 1))
     a.update(output_dir=out, max_steps=spec["steps"], use_cpu=True, report_to=["tensorboard"],
              save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
              dataloader_pin_memory=False, learning_rate=1e-4)

@@ -1,12 +1,12 @@
 """Two real gloo ranks on this CPU (torchrun): DDP through the Trainer and FSDP2 through
-accelerate's own FSDP2 preparation, measured per rank by ``hf_memkit._groundtruth_dist``."""
+accelerate's own FSDP2 preparation, measured per rank by ``hf_memkit.testing.groundtruth_dist``."""
 
 from __future__ import annotations
 
 import pytest
 
-from hf_memkit._groundtruth_dist import measure_distributed_peak
 from hf_memkit._synthetic import tiny_llama_config
+from hf_memkit.testing.groundtruth_dist import measure_distributed_peak
 
 # 2 layers, vocab 2048: model states (~4.6 MiB fp32 AdamW states per full replica) are a visible
 # part of the peak at seq 64; learnable counting sequences so the loss falls in a few steps.

@@ -18,8 +18,8 @@ from transformers import (
 
 import hf_memkit as mk
 from hf_memkit import _estimate
-from hf_memkit._groundtruth import measure_trainer_peak
 from hf_memkit._units import GiB, MiB
+from hf_memkit.testing.groundtruth import measure_trainer_peak
 
 from .conftest import require
 
@@ -141,7 +141,7 @@ def test_extrapolation_matches_full_trace_of_24_layers(monkeypatch):
                                                             gradient_checkpointing=True, bf16=True)):
         extrapolated = est(cfg, args, seq_len=256)
         assert extrapolated.traced_layers == (2, 3)
-        monkeypatch.setattr(_estimate, "FULL_TRACE_MAX_LAYERS", 100)
+        monkeypatch.setattr(_estimate.activations, "FULL_TRACE_MAX_LAYERS", 100)
         full = est(cfg, args, seq_len=256)
         monkeypatch.undo()
         assert full.traced_layers == (24,)

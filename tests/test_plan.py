@@ -15,9 +15,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, OpenAIGPTConfig, Tra
 
 import hf_memkit as mk
 from hf_memkit._gpu_catalog import catalog
-from hf_memkit._simulate import SimulatedMemoryBudget
 from hf_memkit._synthetic import SyntheticTextDataset
 from hf_memkit._units import GiB, MiB
+from hf_memkit.testing.simulate import SimulatedMemoryBudget
 
 from .conftest import require
 

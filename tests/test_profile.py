@@ -19,7 +19,7 @@ from transformers import (
 )
 
 import hf_memkit as mk
-from hf_memkit._model_catalog import list_models
+from hf_memkit._model import list_models
 
 from .conftest import require
 

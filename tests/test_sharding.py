@@ -11,7 +11,7 @@ import pytest
 from transformers import LlamaConfig
 
 import hf_memkit as mk
-from hf_memkit._sharding import (
+from hf_memkit._engines import (
     FSDP_CONFIG_KEYS,
     fsdp_plugin_args,
     validate_deepspeed_config,
@@ -74,7 +74,8 @@ def test_zero_model_states_match_deepspeeds_estimators(name, world):
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    from hf_memkit._profile import _to_config, build_model
+    from hf_memkit._model import build_model
+    from hf_memkit._model import to_config as _to_config
 
     total = mk.profile_model(name).total_params
     with torch.device("meta"):
@@ -143,7 +144,7 @@ def test_fsdp_and_deepspeed_together_is_bad_input():
 def _run_and_estimate(spec):
     from transformers import AutoConfig
 
-    from hf_memkit._groundtruth_dist import measure_distributed_peak
+    from hf_memkit.testing.groundtruth_dist import measure_distributed_peak
 
     _bench()
     from sharding import _our_args
@@ -306,7 +307,7 @@ def test_budget_is_per_gpu_not_summed():
 
 
 def test_communication_cost_follows_the_interconnect():
-    from hf_memkit._sharding import Sharding, comm_bytes_per_step, comm_seconds
+    from hf_memkit._engines import Sharding, comm_bytes_per_step, comm_seconds
 
     n = 8_030_261_248
     full = Sharding("fsdp", 8, 3, mixed_precision=True)

@@ -79,10 +79,10 @@ class CudaReader(Reader):
         try:
             import pynvml  # nvidia-ml-py
 
-            from .._device import _nvml_handle
+            from .._device import nvml_handle
 
             pynvml.nvmlInit()
-            self._handle = _nvml_handle(pynvml, self.index)
+            self._handle = nvml_handle(pynvml, self.index)
             self._nvml = pynvml
             return True
         except ImportError:

@@ -9,10 +9,11 @@ from rich.console import Console
 
 from .._errors import HfMemkitError
 from .._estimate import estimate_memory
+from .._model.tasks import task_choices
 from .._render import estimate_table
 
 
-def _field(text: str) -> tuple[str, object]:
+def parse_field(text: str) -> tuple[str, object]:
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"expected FIELD=VALUE, got `{text}`")
     key, value = text.split("=", 1)
@@ -39,13 +40,14 @@ def estimate_parser(sub) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", help="bundled model name or local directory with config.json")
-    p.add_argument("fields", nargs="*", type=_field, metavar="FIELD=VALUE",
+    p.add_argument("fields", nargs="*", type=parse_field, metavar="FIELD=VALUE",
                    help="any TrainingArguments field, e.g. bf16=true optim=adafactor")
     p.add_argument("--gpu", default=None, help="catalog GPU (hf-memkit devices) or 'cpu'; "
                                                "default: this machine")
     p.add_argument("--seq-len", type=int, required=True, help="longest sequence in a batch")
     p.add_argument("--batch", type=int, default=None, help="per_device_train_batch_size")
-    p.add_argument("--task", default=None, help="head: causal-lm, sequence-classification, ...")
+    p.add_argument("--task", default=None, metavar="TASK", choices=task_choices(),
+                   help=f"head: {', '.join(task_choices(aliases=False))}")
     p.add_argument("--stage", default="train", choices=("train", "eval"))
     p.add_argument("--dtype", default=None, help="load dtype (bfloat16 = pure bf16 training)")
     p.add_argument("--num-gpus", type=int, default=None,

@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         if not hasattr(args, "fields") or any("=" not in e or e.startswith("-") for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        from .estimate import _field
+        from .estimate import parse_field
 
-        args.fields = list(args.fields) + [_field(e) for e in extra]
+        args.fields = list(args.fields) + [parse_field(e) for e in extra]
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -8,8 +8,10 @@ from pathlib import Path
 from rich.console import Console
 
 from .._errors import HfMemkitError
-from .._plan import plan_training
-from .estimate import _field
+from .._methods import method_choices
+from .._model.tasks import task_choices
+from .._plan import engine_choices, plan_training
+from .estimate import parse_field
 
 RECIPE_SUFFIXES = (".yaml", ".yml")
 
@@ -35,14 +37,14 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("model", metavar="MODEL|RECIPE",
                    help="bundled model name, local directory with config.json, or a recipe "
                         "(.yaml file or bundled recipe name; hf-memkit recipes list)")
-    p.add_argument("fields", nargs="*", metavar="FIELD=VALUE", type=_field,
+    p.add_argument("fields", nargs="*", metavar="FIELD=VALUE", type=parse_field,
                    help="TrainingArguments fields to pin, e.g. optim=adamw_torch_fused")
     p.add_argument("--gpu", default=None, help="catalog GPU or 'cpu'; default: this machine "
                                                "(or the recipe's hardware.device)")
     p.add_argument("--num-gpus", type=int, default=None,
                    help="data-parallel ranks over all nodes (DDP, else FSDP2 / ZeRO sharding)")
     p.add_argument("--num-nodes", type=int, default=None, help="nodes (default 1)")
-    p.add_argument("--engine", default=None, choices=("auto", "ddp", "fsdp", "deepspeed"),
+    p.add_argument("--engine", default=None, choices=engine_choices(),
                    help="data-parallel engine (default auto: DDP if a replica fits, else FSDP2)")
     p.add_argument("--host-memory", default=None,
                    help="CPU RAM per node that offload may use, e.g. 512GiB")
@@ -50,12 +52,13 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                    help="tokens per sequence (required without a recipe)")
     p.add_argument("--target-batch", type=int, default=None,
                    help="effective batch size (required without a recipe)")
-    p.add_argument("--method", default=None, choices=("auto", "full", "lora", "qlora"),
+    p.add_argument("--method", default=None, choices=method_choices(),
                    help="default: auto (or the recipe's)")
     p.add_argument("--max-memory", default=None, help="explicit budget, e.g. 20GiB")
     p.add_argument("--headroom", type=float, default=None,
                    help="fraction of memory kept free (default 0.1)")
-    p.add_argument("--task", default=None, help="head: causal-lm, sequence-classification, ...")
+    p.add_argument("--task", default=None, metavar="TASK", choices=task_choices(),
+                   help=f"head: {', '.join(task_choices(aliases=False))}")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 

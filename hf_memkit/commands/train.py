@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .._units import format_bytes
-from .estimate import _field
+from .estimate import parse_field
 
 
 def train_parser(sub) -> argparse.ArgumentParser:
@@ -33,7 +33,7 @@ def train_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("recipe", help="recipe .yaml file, or a bundled recipe name "
                                   "(hf-memkit recipes list)")
-    p.add_argument("fields", nargs="*", metavar="FIELD=VALUE", type=_field,
+    p.add_argument("fields", nargs="*", metavar="FIELD=VALUE", type=parse_field,
                    help="TrainingArguments fields pinned on top of the recipe's pins")
     p.add_argument("--output-dir", default=None, help="override the recipe's output_dir")
     p.add_argument("--max-steps", type=int, default=None, help="override max_steps")
@@ -91,12 +91,12 @@ def run_train(recipe_ref: str, *, output_dir: str | None = None, max_steps: int 
     """The body of ``hf-memkit train`` (also ``hf-memkit demo``)."""
     from .._recipe import load_recipe
     from .._render import plan_tables
-    from .._train import _with_pins, check_trainable_here, plan_recipe, train_recipe, with_max_steps
+    from .._train import check_trainable_here, plan_recipe, train_recipe, with_max_steps, with_pins
 
     console = console or Console()
     recipe = load_recipe(recipe_ref)
     if pins:
-        recipe = _with_pins(recipe, pins)
+        recipe = with_pins(recipe, pins)
     if max_steps is not None:
         recipe = with_max_steps(recipe, max_steps)
     check_trainable_here(recipe)

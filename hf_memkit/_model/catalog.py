@@ -15,7 +15,7 @@ from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
 
-from ._errors import HfMemkitError, did_you_mean
+from .._errors import HfMemkitError, did_you_mean
 
 # Hub ids that name a bundled config. The files hold the published config.json values.
 _HUB_IDS = {

@@ -24,7 +24,7 @@ import tempfile
 import time
 from typing import Any
 
-from ._rss import alive_cpu_tensor_bytes
+from .._rss import alive_cpu_tensor_bytes
 
 _MARK = "@@HF_MEMKIT_RESULT "
 
@@ -41,7 +41,8 @@ def measure_trainer_peak(spec: dict[str, Any], *, timeout: float = 900.0) -> dic
     env.update(MALLOC_MMAP_THRESHOLD_="65536", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
                TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
     env.setdefault("OMP_NUM_THREADS", "2")
-    proc = subprocess.run([sys.executable, "-m", "hf_memkit._groundtruth", json.dumps(spec)],
+    proc = subprocess.run([sys.executable, "-m", "hf_memkit.testing.groundtruth",
+                           json.dumps(spec)],
                           env=env, capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_MARK)]
     if proc.returncode != 0 or not lines:
@@ -83,11 +84,11 @@ def build_model(spec: dict[str, Any], workdir: str):
     import torch
     import transformers
 
-    from ._profile import TASKS
+    from .._model.tasks import TASKS
 
     cfg_dict = dict(spec["config"])
     config = transformers.AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
-    auto = getattr(transformers, TASKS[spec.get("task", "causal-lm")])
+    auto = getattr(transformers, TASKS.get(spec.get("task", "causal-lm")).auto_class)
     dtype = getattr(torch, spec.get("dtype", "float32"))
     attn = spec.get("attn_implementation")
     kw = {"attn_implementation": attn} if attn else {}
@@ -114,7 +115,9 @@ def build_model(spec: dict[str, Any], workdir: str):
     return model
 
 
-def _synthetic(spec: dict[str, Any], config: Any, n: int, *, seed: int = 1) -> list[dict[str, Any]]:
+def synthetic_examples(spec: dict[str, Any], config: Any, n: int, *,
+                       seed: int = 1) -> list[dict[str, Any]]:
+    """``n`` random-token examples of ``spec``'s ``seq_len`` with the labels its ``task`` needs."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -146,7 +149,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         a = dict(spec["args"])
         n = a.get("per_device_train_batch_size", 8) * a.get("gradient_accumulation_steps", 1) * (
             steps + 1)
-        data = _synthetic(spec, model.config, n)
+        data = synthetic_examples(spec, model.config, n)
         a.update(output_dir=os.path.join(workdir, "out"), max_steps=steps, use_cpu=True,
                  report_to=[], save_strategy="no", logging_strategy="no", eval_strategy="no",
                  dataloader_num_workers=0, dataloader_pin_memory=False, disable_tqdm=True,
@@ -160,9 +163,9 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
             def on_step_begin(self, args, state, control, **kw):
                 alive = alive_cpu_tensor_bytes()
                 if with_mt:
-                    from ._trace import _new_tracker
+                    from .._trace import new_tracker
 
-                    self.mt = _new_tracker(kw["model"], [])
+                    self.mt = new_tracker(kw["model"], [])
                     self.mt.track_external(kw["optimizer"])
                     self.mt.__enter__()
                 self.open = open_window(alive)

@@ -17,22 +17,10 @@ import torch
 import transformers
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ._errors import HfMemkitError
-from ._model_catalog import resolve_config
+from .._errors import HfMemkitError
+from .catalog import resolve_config
+from .tasks import TASKS, normalize_task, task_of_class
 
-# task name -> transformers Auto class. "auto" picks from config.architectures.
-TASKS: dict[str, str] = {
-    "causal-lm": "AutoModelForCausalLM",
-    "seq2seq-lm": "AutoModelForSeq2SeqLM",
-    "masked-lm": "AutoModelForMaskedLM",
-    "sequence-classification": "AutoModelForSequenceClassification",
-    "token-classification": "AutoModelForTokenClassification",
-    "question-answering": "AutoModelForQuestionAnswering",
-    "base": "AutoModel",
-}
-_TASK_ALIASES = {"seq-cls": "sequence-classification", "classification": "sequence-classification",
-                 "clm": "causal-lm", "mlm": "masked-lm", "seq2seq": "seq2seq-lm",
-                 "token-cls": "token-classification", "qa": "question-answering"}
 _ATTN_FLAGS = {  # class attribute -> attn_implementation value (transformers 5 names)
     "_supports_sdpa": "sdpa",
     "_supports_flash_attn": "flash_attention_2",
@@ -47,7 +35,7 @@ class ModelProfile:
     name: str = field(metadata={"help": "name_or_path of the config, or the class name."})
     architecture: str = field(metadata={"help": "Model class, e.g. 'LlamaForCausalLM'."})
     model_type: str = field(metadata={"help": "config.model_type, e.g. 'llama'."})
-    task: str = field(metadata={"help": "Head the profile was built with (see TASKS)."})
+    task: str = field(metadata={"help": "Head the profile was built with (see _model.tasks)."})
     total_params: int = field(metadata={"help": "All parameters (logical count, tied counted once)."})
     trainable_params: int = field(metadata={"help": "Parameters with requires_grad."})
     frozen_params: int = field(metadata={"help": "total_params - trainable_params."})
@@ -89,52 +77,22 @@ class ModelProfile:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "config"}
 
 
-def normalize_task(task: str | None, config: PretrainedConfig | None = None) -> str:
-    """Validate ``task``; ``None``/``"auto"`` infers it from ``config.architectures``."""
-    if task in (None, "auto"):
-        return infer_task(config) if config is not None else "causal-lm"
-    key = _TASK_ALIASES.get(task, task)
-    if key not in TASKS:
-        raise HfMemkitError(
-            f"unknown task `{task}`; allowed: {', '.join(TASKS)} (or 'auto' to read it from "
-            "config.architectures)"
-        )
-    return key
-
-
-def infer_task(config: PretrainedConfig) -> str:
-    arch = (getattr(config, "architectures", None) or [""])[0]
-    if arch.endswith(("ForCausalLM", "LMHeadModel")):
-        return "causal-lm"
-    if arch.endswith("ForConditionalGeneration") and getattr(config, "is_encoder_decoder", False):
-        return "seq2seq-lm"
-    for suffix, task in (("ForMaskedLM", "masked-lm"),
-                         ("ForSequenceClassification", "sequence-classification"),
-                         ("ForTokenClassification", "token-classification"),
-                         ("ForQuestionAnswering", "question-answering")):
-        if arch.endswith(suffix):
-            return task
-    if getattr(config, "is_encoder_decoder", False):
-        return "seq2seq-lm"
-    return "causal-lm" if getattr(config, "is_decoder", False) or arch == "" else "base"
-
-
 def build_model(config: PretrainedConfig, task: str | None = None, *,
                 device: str | torch.device = "meta", **kwargs: Any) -> PreTrainedModel:
     """Instantiate ``config`` with the head for ``task`` on ``device`` (meta: no memory)."""
     task = normalize_task(task, config)
-    auto_cls = getattr(transformers, TASKS[task])
+    auto_cls = getattr(transformers, TASKS.get(task).auto_class)
     try:
         with torch.device(device):
             return auto_cls.from_config(config, **kwargs)
     except ValueError as exc:
         raise HfMemkitError(
             f"transformers cannot build a `{config.model_type}` model for task `{task}` "
-            f"({exc}); choose another task from: {', '.join(TASKS)}"
+            f"({exc}); choose another task from: {', '.join(TASKS.names())}"
         ) from exc
 
 
-def _to_config(ref: Any) -> PretrainedConfig:
+def to_config(ref: Any) -> PretrainedConfig:
     if isinstance(ref, PretrainedConfig):
         return ref
     if isinstance(ref, (str, os.PathLike)):
@@ -177,18 +135,11 @@ def profile_model(model_or_config_or_name: Any, *, task: str | None = None) -> M
             )
         task = normalize_task(task, config) if task else task_of_class(type(base), config)
     else:
-        config = _to_config(model_or_config_or_name)
+        config = to_config(model_or_config_or_name)
         task = normalize_task(task, config)
         model = base = build_model(config, task)
         is_peft = False
     return _profile(model, base, config, task, is_peft)
-
-
-def task_of_class(cls: type, config: PretrainedConfig) -> str:
-    """The task of a loaded model, read from its class name (e.g. ...ForCausalLM)."""
-    return infer_task(type("C", (), {"architectures": [cls.__name__],
-                                     "is_encoder_decoder": getattr(config, "is_encoder_decoder",
-                                                                   False)})())
 
 
 def _first(config: Any, names: tuple[str, ...], default: Any = None) -> Any:

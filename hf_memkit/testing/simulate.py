@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ._units import format_bytes
+from .._units import format_bytes
 
 OOM_TEMPLATE = ("CUDA out of memory. Tried to allocate {req}. GPU 0 has a total capacity of "
                 "{cap} of which {free} is free. (simulated by hf_memkit.SimulatedMemoryBudget)")

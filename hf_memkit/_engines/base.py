@@ -1,0 +1,255 @@
+"""The engine registry: how one rank holds the model states, one ``Engine`` per file.
+
+Data flow: ``TrainingArguments`` fields (``fsdp``/``fsdp_config``, ``deepspeed``,
+``accelerator_config``) + ``num_gpus`` -> the engine whose arguments are set reads them into a
+``Sharding`` (``Engine.from_args``) -> ``Engine.rank_states`` (what one rank holds: sharded
+states, gathered layers, buckets, what lives on the host) -> the estimator adds the replicated
+activations per phase. For the planner an engine offers ``Rung``s (strategies), emits the
+TrainingArguments that select a rung, prices its communication, checks what it emitted, and
+says in which dtype each rank computes (``traces_half``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .._errors import HfMemkitError
+from .._registry import Registry
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How one rank holds the model states. ``engine``: none | ddp | fsdp | deepspeed.
+
+    ``stage``: FSDP 3 = full shard (reshard after forward), 2 = shard-grad-op; DeepSpeed ZeRO
+    stage 0-3. Bucket sizes are in elements (DeepSpeed's unit); 0 = not used.
+    """
+
+    engine: str = "none"
+    world_size: int = 1
+    stage: int = 0
+    offload_params: bool = False
+    offload_optimizer: bool = False
+    mixed_precision: bool = False        # FSDP: param/reduce dtype 16-bit
+    grad_as_bucket_view: bool = False    # DDP
+    sync_each_batch: bool = False        # FSDP + accumulation: reduce-scatter every micro-step
+    activation_checkpointing: bool = False  # FSDP's own (fsdp_config), instead of the Trainer's
+    reduce_bucket: int = 0               # DeepSpeed reduce_bucket_size
+    allgather_bucket: int = 0            # DeepSpeed allgather_bucket_size (ZeRO-1/2)
+    prefetch_bucket: int = 0             # DeepSpeed stage3_prefetch_bucket_size
+    max_live: int = 0                    # DeepSpeed stage3_max_live_parameters
+
+    def label(self) -> str:
+        return ENGINES.get(self.engine).label(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class RankStates:
+    """Bytes on one rank. ``weights``/``gradients``/``optimizer`` are resident (sharded where
+    the engine shards); the rest are per-phase transients and host-side bytes."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    optimizer_transient: int
+    gathered_forward: int = 0      # unsharded parameters alive at the forward peak
+    gathered_backward: int = 0     # ... at the backward peak
+    grad_buffers: int = 0          # unsharded gradients + reduce-scatter input of one layer
+    accum_gradients: int | None = None  # gradients held between micro-steps (None: = gradients)
+    buckets: int = 0               # persistent communication buffers (DDP buckets, DS buckets)
+    host: int = 0                  # bytes moved to CPU memory by offload
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def model_states(self) -> int:
+        """Resident weights + gradients + optimizer state (DeepSpeed ZeRO-3: with its two
+        gathered copies of the largest module, as DeepSpeed's estimator counts them)."""
+        return self.weights + self.gradients + self.optimizer
+
+
+@dataclass(frozen=True)
+class StateSizes:
+    """What ``Engine.rank_states`` shares out: the unsharded model states of one replica."""
+
+    weight_bytes: int            # weights in the load dtype (incl. buffers, quant constants)
+    grad_bytes: int
+    n_trainable: int
+    optimizer_state: int
+    optimizer_transient: int
+    load_itemsize: int
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One data-parallel strategy the planner can pick (``Candidate.parallel``)."""
+
+    name: str
+    label: str
+    engine: str
+    stage: int = 0
+    offload_params: bool = False
+    offload_optimizer: bool = False
+    shards_params: bool = False           # frozen weights shard too (a LoRA base)
+    precisions: tuple[str, ...] | None = None  # None: any precision
+
+    @property
+    def offload(self) -> bool:
+        return self.offload_params or self.offload_optimizer
+
+    @property
+    def tier(self) -> int:
+        """Offload is the last rung; DDP and sharding are ranked together by the cost model."""
+        return 1 if self.offload else 0
+
+
+@dataclass(frozen=True)
+class EmitContext:
+    """What an engine needs to write the TrainingArguments of a rung."""
+
+    ranks: int
+    micro_batch: int
+    grad_accum: int
+    precision: str
+    checkpointing: bool
+    hidden: int
+    layer_class: str | None
+    max_grad_norm: float
+
+
+class Engine:
+    """Base of the registered engines; each file overrides what its engine does."""
+
+    name = "none"
+    user_facing = True      # a value of plan_training(engine=...) and the CLI's --engine
+    sharded = False         # shards model states (needs the model's layer structure)
+    owns_checkpointing = False  # checkpointing goes in the engine's config, not the Trainer's
+    launch_flag = ""        # `accelerate launch` flag
+
+    def selected(self, get) -> bool:
+        """Whether TrainingArguments (``get(field)``) ask for this engine."""
+        return False
+
+    def from_args(self, get, world: int) -> Sharding:
+        raise NotImplementedError
+
+    def label(self, sh: Sharding) -> str:
+        raise NotImplementedError
+
+    def rungs(self) -> list[Rung]:
+        return []
+
+    def rank_states(self, sh: Sharding, sizes: StateSizes, facts: Any,
+                    device_kind: str) -> RankStates:
+        raise NotImplementedError
+
+    def grads_sharded(self, sh: Sharding) -> bool:
+        """Gradients are reduce-scattered layer by layer during the backward."""
+        return False
+
+    def traces_half(self, sh: Sharding) -> bool:
+        """Each rank computes with a 16-bit model and no autocast (under mixed precision)."""
+        return False
+
+    def emit(self, rung: Rung, ctx: EmitContext) -> dict[str, Any]:
+        return {}
+
+    def check_emitted(self, ta: dict[str, Any], sh: Sharding, notes: list[str]) -> None:
+        """Validate what ``emit`` wrote and add the plan's notes about it."""
+
+    def accelerator_plugin(self, ta: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def comm_bytes_per_step(self, sh: Sharding, *, n_params: int, n_trainable: int,
+                            grad_accum: int, mixed_precision: bool) -> float:
+        return 0.0
+
+    def step_overhead(self, sh: Sharding, *, layers: int, n_params: int, itemsize: int,
+                      bandwidth: float) -> float:
+        """Seconds per micro-step the engine adds to compute (collective launches, copies)."""
+        return 0.0
+
+    def optimizer_shards(self, sh: Sharding) -> int:
+        """Ranks that share one optimizer step."""
+        return 1
+
+
+ENGINES: Registry[Engine] = Registry("engine")
+
+
+def register(engine: Engine) -> Engine:
+    return ENGINES.register(engine)
+
+
+def user_engines() -> list[str]:
+    return [e.name for e in ENGINES if e.user_facing]
+
+
+def all_rungs() -> dict[str, Rung]:
+    return {r.name: r for e in ENGINES for r in e.rungs()}
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers the entries share
+# ----------------------------------------------------------------------------------------------
+
+
+def ceil_div(x: int, n: int) -> int:
+    return -(-int(x) // n)
+
+
+def load_json(value: Any, what: str) -> dict[str, Any]:
+    if value is None or value == "":
+        return {}
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, (str, os.PathLike)) and os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return json.load(f)
+    raise HfMemkitError(f"{what} must be a dict or the path of a JSON file; got {value!r}")
+
+
+def offload_suffix(sh: Sharding) -> str:
+    off = [k for k, on in (("params", sh.offload_params), ("optimizer", sh.offload_optimizer))
+           if on]
+    return f" + CPU offload ({', '.join(off)})" if off else ""
+
+
+def truthy(v: Any) -> bool:
+    return str(v).strip().lower() in ("1", "true", "yes", "on")
+
+
+# Launch latency of one NCCL collective (order of tens of microseconds on NVLink; NCCL tests),
+# paid per FSDP / ZeRO-3 unit and pass.
+COLLECTIVE_LATENCY_S = 50e-6
+
+
+def gather_scatter_bytes(sh: Sharding, *, n_params: int, n_trainable: int, grad_accum: int,
+                         mixed_precision: bool) -> float:
+    """Full shard / ZeRO-3: all-gather of the parameters in forward and again in backward,
+    reduce-scatter of the gradients, per micro-step (ring: (N-1)/N of the payload each);
+    shard-grad-op gathers once."""
+    ring = (sh.world_size - 1) / sh.world_size
+    b = 2 if mixed_precision else 4
+    gathers = 2 if sh.stage == 3 else 1
+    return (gathers * ring * n_params * b + ring * n_trainable * b) * max(1, grad_accum)
+
+
+def gather_overhead(sh: Sharding, *, layers: int, n_params: int, itemsize: int,
+                    bandwidth: float) -> float:
+    """Per micro-step: a collective per unit and pass (launch latency), and copying the
+    gathered parameters out of (and the gradients into) the flat collective buffers."""
+    passes = 3 if sh.stage == 3 else 2
+    return passes * (layers + 2) * COLLECTIVE_LATENCY_S + passes * n_params * itemsize / bandwidth
+
+
+def sync_each_batch(get) -> bool:
+    acc = get("accelerator_config") or {}
+    if not isinstance(acc, dict):
+        acc = getattr(acc, "to_dict", lambda: {})()
+    return bool((acc.get("gradient_accumulation_kwargs") or {}).get("sync_each_batch"))

@@ -1,0 +1,215 @@
+"""DeepSpeed ZeRO (16-bit training, DeepSpeed's own accounting, as its estimators
+``estimate_zero2/3_model_states_mem_needs`` print it).
+
+16-bit parameters (partitioned at stage 3), fp32 master weights, Adam moments and fp32 gradient
+partitions / N (ZeRO-2: 18 B per parameter over N with 16-bit parameters whole; ZeRO-3: 18 B / N
+plus two gathered copies of the largest module, 4 B x its parameters; gathered parameters beyond
+those stay live up to ``stage3_max_live_parameters`` and are counted as a forward/backward
+transient). ZeRO-1 partitions only master weights, moments and fp32 gradients (16 B / N) and
+keeps 16-bit gradients whole. ``offload_optimizer`` moves master weights, moments and gradient
+partitions to the host; ``offload_param`` (stage 3) the 16-bit partitions too. Reduce /
+all-gather / prefetch buckets are counted as temporaries.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .._errors import ConfigError
+from . import base
+from .base import EmitContext, Engine, RankStates, Rung, Sharding, StateSizes, register
+
+# DeepSpeed defaults the planner writes explicitly (HF's "auto" values: hidden^2 and 0.9 hidden^2).
+DS_ALLGATHER_BUCKET = int(5e8)
+HALF = ("bf16", "fp16")  # DeepSpeed is planned in 16-bit with fp32 master weights
+RUNGS = [Rung("zero2", "ZeRO-2", "deepspeed", 2, precisions=HALF),
+         Rung("zero3", "ZeRO-3", "deepspeed", 3, shards_params=True, precisions=HALF),
+         Rung("zero3-offload-opt", "ZeRO-3 + optimizer offload", "deepspeed", 3,
+              offload_optimizer=True, shards_params=True, precisions=HALF),
+         Rung("zero3-offload", "ZeRO-3 + param/optimizer offload", "deepspeed", 3,
+              offload_params=True, offload_optimizer=True, shards_params=True, precisions=HALF)]
+
+
+def _zero_num(z: dict[str, Any], key: str, default: int) -> int:
+    v = z.get(key, default)
+    return default if v == "auto" else int(float(v))
+
+
+def _on_host(z: dict[str, Any], key: str) -> bool:
+    v = z.get(key) or {}
+    return str(v.get("device", "none")).lower() in ("cpu", "nvme")
+
+
+class DeepSpeed(Engine):
+    name = "deepspeed"
+    sharded = True
+    launch_flag = "--use_deepspeed"
+
+    def selected(self, get) -> bool:
+        return bool(get("deepspeed"))
+
+    def from_args(self, get, world: int) -> Sharding:
+        z = base.load_json(get("deepspeed"), "deepspeed").get("zero_optimization") or {}
+        stage = int(z.get("stage", 0))
+        return Sharding("deepspeed", world, stage, offload_params=_on_host(z, "offload_param"),
+                        offload_optimizer=_on_host(z, "offload_optimizer"),
+                        mixed_precision=bool(get("bf16") or get("fp16")),
+                        reduce_bucket=_zero_num(z, "reduce_bucket_size", int(5e8)),
+                        allgather_bucket=_zero_num(z, "allgather_bucket_size",
+                                                   DS_ALLGATHER_BUCKET) if stage in (1, 2) else 0,
+                        prefetch_bucket=_zero_num(z, "stage3_prefetch_bucket_size", int(5e7))
+                        if stage == 3 else 0,
+                        max_live=_zero_num(z, "stage3_max_live_parameters", int(1e9))
+                        if stage == 3 else 0)
+
+    def label(self, sh: Sharding) -> str:
+        return f"DeepSpeed ZeRO-{sh.stage} x{sh.world_size}{base.offload_suffix(sh)}"
+
+    def rungs(self) -> list[Rung]:
+        return list(RUNGS)
+
+    def rank_states(self, sh: Sharding, sizes: StateSizes, facts: Any,
+                    device_kind: str) -> RankStates:
+        n, stage, t = max(1, sh.world_size), sh.stage, sizes.n_trainable
+        half = sh.mixed_precision
+        p = 2 if half else sizes.load_itemsize
+        psi = sizes.weight_bytes // max(1, sizes.load_itemsize)  # elements (incl. buffers)
+        master = 4 * t if half else 0                    # fp32 master weights
+        g16 = p * t                                      # gradients in the training dtype
+        g32 = (4 * t if stage < 3 else 2 * t) if half else 0  # fp32 gradient partitions
+        params16 = p * psi
+        gathered = 2 * facts.module_params * p if stage == 3 else 0
+        o_all = sizes.optimizer_state
+        if stage == 0:
+            w, g, o = params16 + master, g16 + g32, o_all
+        elif stage in (1, 2):
+            w = params16 + base.ceil_div(master, n)
+            g = g16 + base.ceil_div(g32, n) if stage == 1 else base.ceil_div(g16 + g32, n)
+            o = base.ceil_div(o_all, n)
+        else:
+            w = base.ceil_div(params16 + master, n) + gathered
+            g, o = base.ceil_div(g16 + g32, n), base.ceil_div(o_all, n)
+        tr = sizes.optimizer_transient
+        r = RankStates(w, g, o, base.ceil_div(tr, n) if stage >= 1 else tr)
+        r.buckets = (sh.reduce_bucket + sh.allgather_bucket + sh.prefetch_bucket) * p
+        if stage == 3:
+            # gathered parameters stay resident up to stage3_max_live_parameters before
+            # DeepSpeed releases them: beyond the estimator's two copies of the largest module
+            # (counted in the model states above), the forward and backward can hold that many
+            live = min(sh.max_live or psi, psi) * p
+            r.gathered_forward = r.gathered_backward = max(0, live - gathered)
+        if sh.offload_optimizer:  # master weights, moments and gradient partitions to the host
+            r.host = base.ceil_div(master, n) + o + (base.ceil_div(g16 + g32, n) if stage >= 2
+                                                else base.ceil_div(g32, n))
+            r.weights = (params16 if stage < 3 else base.ceil_div(params16, n) + gathered)
+            r.gradients = g16 if stage == 1 else 0
+            r.optimizer = r.optimizer_transient = 0
+        if sh.offload_params and stage == 3:
+            r.host += base.ceil_div(params16, n)
+            r.weights = gathered
+        return r
+
+    def grads_sharded(self, sh: Sharding) -> bool:
+        return sh.stage >= 2
+
+    def traces_half(self, sh: Sharding) -> bool:
+        return True  # DeepSpeed in 16-bit keeps the model itself in 16-bit, without autocast
+
+    def emit(self, rung: Rung, ctx: EmitContext) -> dict[str, Any]:
+        sh = Sharding("deepspeed", ctx.ranks, rung.stage, offload_optimizer=rung.offload_optimizer,
+                      offload_params=rung.offload_params)
+        return {"deepspeed": deepspeed_config_for(
+            sh, micro_batch=ctx.micro_batch, grad_accum=ctx.grad_accum, precision=ctx.precision,
+            hidden=ctx.hidden, max_grad_norm=ctx.max_grad_norm)}
+
+    def check_emitted(self, ta: dict[str, Any], sh: Sharding, notes: list[str]) -> None:
+        validate_deepspeed_config(ta["deepspeed"], world_size=sh.world_size)
+        notes.append(f"{sh.label()}: DeepSpeed config in training_args_kwargs['deepspeed'] "
+                     "(write it with Plan.write_deepspeed_config)")
+
+    def accelerator_plugin(self, ta: dict[str, Any]) -> dict[str, Any]:
+        cfg = ta.get("deepspeed")
+        return {"deepspeed_plugin": {"hf_ds_config": cfg}} if isinstance(cfg, dict) else {}
+
+    def comm_bytes_per_step(self, sh: Sharding, *, n_params: int, n_trainable: int,
+                            grad_accum: int, mixed_precision: bool) -> float:
+        if sh.stage < 3:  # ZeRO-1/2 reduce every micro-step
+            ring = (sh.world_size - 1) / sh.world_size
+            return 2 * ring * n_trainable * (2 if mixed_precision else 4) * max(1, grad_accum)
+        return base.gather_scatter_bytes(sh, n_params=n_params, n_trainable=n_trainable,
+                                    grad_accum=grad_accum, mixed_precision=mixed_precision)
+
+    def step_overhead(self, sh: Sharding, **kw: Any) -> float:
+        return base.gather_overhead(sh, **kw) if sh.stage == 3 else 0.0
+
+    def optimizer_shards(self, sh: Sharding) -> int:
+        return sh.world_size if sh.stage >= 1 else 1
+
+
+DEEPSPEED_ENGINE = register(DeepSpeed())
+
+
+def deepspeed_config_for(sh: Sharding, *, micro_batch: int, grad_accum: int, precision: str,
+                         hidden: int, max_grad_norm: float = 1.0) -> dict[str, Any]:
+    """A complete DeepSpeed config (no "auto" left, so DeepSpeed's own class can check it)."""
+    z: dict[str, Any] = {"stage": sh.stage, "overlap_comm": True, "contiguous_gradients": True,
+                         "reduce_bucket_size": sh.reduce_bucket or hidden * hidden}
+    if sh.stage in (1, 2):
+        z["allgather_bucket_size"] = sh.allgather_bucket or DS_ALLGATHER_BUCKET
+    if sh.stage == 3:
+        z.update(stage3_prefetch_bucket_size=sh.prefetch_bucket or int(0.9 * hidden * hidden),
+                 stage3_param_persistence_threshold=10 * hidden,
+                 stage3_max_live_parameters=sh.max_live or int(1e9),
+                 stage3_gather_16bit_weights_on_model_save=True)
+    if sh.offload_optimizer:
+        z["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if sh.offload_params and sh.stage == 3:
+        z["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {"train_micro_batch_size_per_gpu": micro_batch,
+            "gradient_accumulation_steps": grad_accum,
+            "train_batch_size": micro_batch * grad_accum * sh.world_size,
+            "gradient_clipping": max_grad_norm, "zero_optimization": z,
+            "bf16": {"enabled": precision == "bf16"},
+            "fp16": {"enabled": precision == "fp16"}}
+
+
+def validate_deepspeed_config(cfg: dict[str, Any], *, world_size: int,
+                              source: str = "deepspeed config") -> None:
+    """Check a DeepSpeed config with DeepSpeed's own config class (pydantic: unknown keys and
+    bad values are errors), and the batch arithmetic against ``world_size``."""
+    problems = []
+    tb, mb, ga = (cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu"),
+                  cfg.get("gradient_accumulation_steps"))
+    ints = all(isinstance(v, int) for v in (tb, mb, ga))
+    if ints and tb != mb * ga * world_size:
+        problems.append(f"train_batch_size {tb} != micro-batch {mb} x accumulation {ga} x "
+                        f"{world_size} ranks")
+    if problems:
+        raise ConfigError(problems, source=source)
+    try:
+        from deepspeed.runtime.config import DeepSpeedConfig
+    except ImportError:
+        return  # deepspeed not installed: the arithmetic above is all we can check
+    check = json.loads(json.dumps(cfg))
+    if ints:
+        # DeepSpeedConfig takes the world size from torch.distributed (1 outside a launch):
+        # the batch arithmetic was checked above, so check the rest at world size 1
+        check["train_batch_size"] = mb * ga
+    try:
+        _quiet_deepspeed(lambda: DeepSpeedConfig(check))
+    except Exception as exc:
+        raise ConfigError([f"DeepSpeed rejects it: {str(exc).splitlines()[0]} "
+                           f"({' '.join(str(exc).split())[:300]})"], source=source) from exc
+
+
+def _quiet_deepspeed(fn):
+    import logging
+
+    logger = logging.getLogger("DeepSpeed")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        return fn()
+    finally:
+        logger.setLevel(level)

@@ -1,0 +1,225 @@
+"""FSDP2 as accelerate 1.x prepares it (``accelerate/utils/fsdp_utils.py``, ``fsdp2_prepare_model``).
+
+``fully_shard`` on every ``transformer_layer_cls_to_wrap`` module, the input embedding as its own
+unit, ``[final norm, lm_head]`` as a tail unit that is not resharded after forward, then the root.
+Parameters stay in their load dtype, upcast to fp32 when ``mixed_precision != "no"`` (fp32
+master shards); ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)`` makes the gathered
+copies and the unsharded gradients 16-bit. Sharded: weights, gradients and optimizer state / N.
+Transient: the gathered layers (the current one, the prefetched one on CUDA, where all-gathers
+run on their own stream), the tail, one layer's unsharded gradients plus its reduce-scatter
+input. ``reshard_after_forward=False`` (SHARD_GRAD_OP, ZeRO-2 semantics) keeps every layer
+gathered from its forward to its backward. ``CPUOffloadPolicy`` moves parameters, gradients and
+optimizer state to the host together. With gradient accumulation the Trainer skips the
+reduce-scatter on non-final micro-steps (``accelerator.no_sync`` ->
+``set_requires_gradient_sync(False)``), which keeps *unsharded* gradients;
+``accelerator_config.gradient_accumulation_kwargs.sync_each_batch=True`` avoids it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from .._errors import ConfigError, did_you_mean
+from . import base
+from .base import EmitContext, Engine, RankStates, Rung, Sharding, StateSizes, register
+
+# fsdp_config keys transformers 5.x reads (TrainingArguments._process_fsdp_args; a leading
+# "fsdp_" is stripped first). TrainingArguments accepts any other key silently, so a typo would
+# do nothing: validate_fsdp_config rejects them, and the test suite checks that every key here
+# maps onto a field of accelerate's FullyShardedDataParallelPlugin.
+FSDP_CONFIG_KEYS = {
+    "version": "FSDP version (2; FSDP1 is deprecated)",
+    "reshard_after_forward": "True = FULL_SHARD (ZeRO-3), False = SHARD_GRAD_OP (ZeRO-2)",
+    "cpu_offload": "offload parameters, gradients and optimizer state to the host",
+    "auto_wrap_policy": "TRANSFORMER_BASED_WRAP or SIZE_BASED_WRAP",
+    "transformer_layer_cls_to_wrap": "decoder/encoder layer classes to shard one by one",
+    "min_num_params": "size threshold of SIZE_BASED_WRAP",
+    "activation_checkpointing": "FSDP's own activation checkpointing of each wrapped layer",
+    "cpu_ram_efficient_loading": "only rank 0 materialises the weights when loading",
+    "state_dict_type": "FULL_STATE_DICT or SHARDED_STATE_DICT for checkpoints",
+    "forward_prefetch": "(FSDP1) prefetch the next all-gather in forward",
+    "backward_prefetch": "(FSDP1) BACKWARD_PRE / BACKWARD_POST / NO_PREFETCH",
+    "use_orig_params": "(FSDP1) keep original parameters visible",
+    "sync_module_states": "(FSDP1) broadcast rank 0's weights",
+    "limit_all_gathers": "(FSDP1) rate-limit all-gathers",
+    "xla": "PyTorch/XLA FSDP", "xla_fsdp_v2": "PyTorch/XLA FSDPv2",
+    "xla_fsdp_grad_ckpt": "PyTorch/XLA checkpointing", "xla_fsdp_settings": "PyTorch/XLA settings",
+}
+RUNGS = [Rung("fsdp-grad-op", "FSDP2 shard-grad-op", "fsdp", 2, shards_params=True),
+         Rung("fsdp-full", "FSDP2 full shard", "fsdp", 3, shards_params=True),
+         Rung("fsdp-offload", "FSDP2 full shard + offload", "fsdp", 3, offload_params=True,
+              offload_optimizer=True, shards_params=True)]
+
+
+def _reshard(fsdp: Any, cfg: dict[str, Any]) -> tuple[bool, bool]:
+    """(reshard after forward, offload) from the config and legacy ``fsdp`` strings."""
+    offload = base.truthy(cfg.get("cpu_offload", False))
+    reshard = cfg.get("reshard_after_forward", True)
+    if isinstance(fsdp, str):  # legacy strings: "full_shard auto_wrap offload"
+        items = fsdp.split()
+        offload = offload or "offload" in items
+        if "shard_grad_op" in items:
+            reshard = False
+    if isinstance(reshard, str) and reshard.upper() in ("FULL_SHARD", "SHARD_GRAD_OP",
+                                                        "NO_SHARD", "HYBRID_SHARD"):
+        reshard = reshard.upper() in ("FULL_SHARD", "HYBRID_SHARD")
+    return base.truthy(reshard), offload
+
+
+class FSDP(Engine):
+    name = "fsdp"
+    sharded = True
+    owns_checkpointing = True   # fsdp_config's activation_checkpointing, as transformers asks
+    launch_flag = "--use_fsdp"
+
+    def selected(self, get) -> bool:
+        return bool(get("fsdp"))
+
+    def from_args(self, get, world: int) -> Sharding:
+        cfg = base.load_json(get("fsdp_config"), "fsdp_config")
+        cfg = {k[5:] if k.startswith("fsdp_") else k: v for k, v in cfg.items()}
+        reshard, offload = _reshard(get("fsdp"), cfg)
+        return Sharding("fsdp", world, 3 if reshard else 2, offload_params=offload,
+                        offload_optimizer=offload, mixed_precision=bool(get("bf16") or get("fp16")),
+                        sync_each_batch=base.sync_each_batch(get),
+                        activation_checkpointing=base.truthy(cfg.get("activation_checkpointing",
+                                                                False)))
+
+    def label(self, sh: Sharding) -> str:
+        kind = "full shard" if sh.stage == 3 else "shard-grad-op"
+        return f"FSDP2 {kind} x{sh.world_size}{base.offload_suffix(sh)}"
+
+    def rungs(self) -> list[Rung]:
+        return list(RUNGS)
+
+    def rank_states(self, sh: Sharding, sizes: StateSizes, facts: Any,
+                    device_kind: str) -> RankStates:
+        n, t = max(1, sh.world_size), sizes.n_trainable
+        gather = 2 if sh.mixed_precision else sizes.load_itemsize
+        red = 2 if sh.mixed_precision else 4
+        L, T = facts.layer_params, facts.tail_params
+        in_flight = 2 if device_kind == "cuda" else 1  # CPU: no separate all-gather stream
+        # backward: the tail's unsharded weight and gradient at its start, later two gathered
+        # layers (current + prefetched) and one layer's unsharded gradient + reduce-scatter
+        # input; the tail reshards after its own backward, so the two never coexist
+        unit = max((T, T), (2 * L, 2 * L), key=lambda u: u[0] * gather + u[1] * red)
+        if sh.stage == 3:
+            fwd, bwd = (T + in_flight * L) * gather, unit[0] * gather
+        else:  # every layer stays gathered from its forward to its backward
+            fwd = bwd = facts.total_params * gather
+        r = RankStates(
+            weights=base.ceil_div(sizes.weight_bytes, n), gradients=base.ceil_div(sizes.grad_bytes, n),
+            optimizer=base.ceil_div(sizes.optimizer_state, n),
+            optimizer_transient=base.ceil_div(sizes.optimizer_transient, n),
+            gathered_forward=fwd, gathered_backward=bwd,
+            grad_buffers=unit[1] * red if t else 0)
+        if not sh.sync_each_batch:
+            r.accum_gradients = t * gather + r.gradients
+        if sh.offload_params:  # CPUOffloadPolicy: all three together
+            r.host = r.weights + r.gradients + r.optimizer
+            r.weights = r.gradients = r.optimizer = r.optimizer_transient = 0
+            if r.accum_gradients is not None:
+                r.accum_gradients = t * gather
+        return r
+
+    def grads_sharded(self, sh: Sharding) -> bool:
+        return True
+
+    def traces_half(self, sh: Sharding) -> bool:
+        # accelerate's MixedPrecisionPolicy gathers 16-bit parameters, and the Trainer adds no
+        # autocast on that path (Accelerator.prepare skips prepare_model for FSDP2)
+        return True
+
+    def emit(self, rung: Rung, ctx: EmitContext) -> dict[str, Any]:
+        sh = Sharding("fsdp", ctx.ranks, rung.stage, offload_params=rung.offload_params,
+                      offload_optimizer=rung.offload_optimizer)
+        out: dict[str, Any] = {"fsdp": True, "fsdp_config": fsdp_config_for(
+            sh, ctx.layer_class, checkpointing=ctx.checkpointing)}
+        if ctx.grad_accum > 1:  # reduce-scatter every micro-step: no unsharded gradients kept
+            out["accelerator_config"] = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
+        return out
+
+    def check_emitted(self, ta: dict[str, Any], sh: Sharding, notes: list[str]) -> None:
+        notes.append(f"{sh.label()}: a replica does not fit one GPU; launch with accelerate or "
+                     "torchrun (FSDP through the Trainer needs CUDA)")
+        if ta.get("accelerator_config"):
+            notes.append("sync_each_batch=True: gradients are reduce-scattered every "
+                         "micro-step, so accumulation never holds unsharded gradients")
+
+    def accelerator_plugin(self, ta: dict[str, Any]) -> dict[str, Any]:
+        return {"fsdp_plugin": fsdp_plugin_args(ta["fsdp_config"])} if "fsdp_config" in ta else {}
+
+    def comm_bytes_per_step(self, sh: Sharding, **kw: Any) -> float:
+        return base.gather_scatter_bytes(sh, **kw)
+
+    def step_overhead(self, sh: Sharding, **kw: Any) -> float:
+        return base.gather_overhead(sh, **kw)
+
+    def optimizer_shards(self, sh: Sharding) -> int:
+        return sh.world_size
+
+
+FSDP_ENGINE = register(FSDP())
+
+
+def fsdp_config_for(sh: Sharding, layer_class: str | None, *, checkpointing: bool) -> dict[str, Any]:
+    """The ``fsdp_config`` of a plan (``fsdp=True`` goes with it; strings are deprecated)."""
+    cfg: dict[str, Any] = {"version": 2, "reshard_after_forward": sh.stage == 3,
+                           "cpu_offload": bool(sh.offload_params),
+                           "state_dict_type": "SHARDED_STATE_DICT",
+                           "cpu_ram_efficient_loading": True}
+    if layer_class:
+        cfg["auto_wrap_policy"] = "TRANSFORMER_BASED_WRAP"
+        cfg["transformer_layer_cls_to_wrap"] = [layer_class]
+    else:
+        cfg["auto_wrap_policy"] = "SIZE_BASED_WRAP"
+        cfg["min_num_params"] = int(1e8)
+    if checkpointing:
+        cfg["activation_checkpointing"] = True
+    validate_fsdp_config(cfg)
+    return cfg
+
+
+def validate_fsdp_config(cfg: dict[str, Any], *, source: str = "fsdp_config") -> None:
+    """Reject keys transformers would ignore silently; check the rest maps onto accelerate's
+    ``FullyShardedDataParallelPlugin`` fields and that the plugin accepts the values."""
+    problems = []
+    for k in cfg:
+        key = k[5:] if k.startswith("fsdp_") else k
+        if key not in FSDP_CONFIG_KEYS:
+            problems.append(f"unknown fsdp_config key `{k}`{did_you_mean(key, FSDP_CONFIG_KEYS)}; "
+                            f"transformers ignores it silently. Known: "
+                            f"{', '.join(sorted(FSDP_CONFIG_KEYS))}")
+    if problems:
+        raise ConfigError(problems, source=source)
+    plugin_args = fsdp_plugin_args(cfg)
+    import dataclasses
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    fields = {f.name for f in dataclasses.fields(FullyShardedDataParallelPlugin)}
+    unknown = sorted(set(plugin_args) - fields)
+    if unknown:
+        raise ConfigError([f"fsdp_config maps to {unknown}, which accelerate's "
+                           "FullyShardedDataParallelPlugin does not have"], source=source)
+    try:
+        FullyShardedDataParallelPlugin(**plugin_args)
+    except Exception as exc:
+        raise ConfigError([f"accelerate's FullyShardedDataParallelPlugin rejects it: {exc}"],
+                          source=source) from exc
+
+
+def fsdp_plugin_args(cfg: dict[str, Any]) -> dict[str, Any]:
+    """What transformers hands accelerate for this ``fsdp_config`` (read from TrainingArguments
+    itself, so a change in transformers' mapping shows up here)."""
+    import warnings
+
+    from transformers import TrainingArguments
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = TrainingArguments(output_dir=os.devnull, use_cpu=True, fsdp=True,
+                                 fsdp_config=json.loads(json.dumps(cfg)), report_to="none")
+    return dict(args.fsdp_plugin_args)

@@ -1,0 +1,141 @@
+"""Activations and temporaries: trace the real model code on fake tensors, extrapolate in depth
+(and, for the planner's lower bounds, in the micro-batch).
+
+Models with more than ``FULL_TRACE_MAX_LAYERS`` blocks are traced at 2 and 3 blocks and
+extrapolated linearly in the block count, so a 70B plan takes seconds. Each phase of the step
+(forward, backward, and their accumulating micro-step) is extrapolated on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .._model.spec import ModelSpec
+from .._setup import TrainingSetup
+from .._techniques import TECHNIQUES
+from .._trace import layer_count, trace_step, with_layers
+
+FULL_TRACE_MAX_LAYERS = 4
+EXTRAPOLATE_AT = (2, 3)
+CATEGORIES = ("Activation", "Temp", "Gradient")
+
+
+@dataclass
+class Excess:
+    """What each phase of a step adds on top of weights + inputs (+ gradients when
+    accumulating), from the trace, extrapolated to full depth."""
+
+    phases: dict[str, int]                 # forward, backward, [forward_accum, backward_accum]
+    categories: dict[str, dict[str, int]]  # per phase: Activation, Temp, Gradient at its peak
+    inputs: int
+    seconds: float
+    layers: tuple[int, ...]
+    lower_bound: bool = False              # extrapolated in the micro-batch (TraceCache)
+
+
+def technique_hooks(setup: TrainingSetup) -> list[Any]:
+    """The trace hooks of the setup's techniques, bound to their options."""
+    hooks = []
+    for use in sorted(setup.techniques):
+        t = TECHNIQUES.get(use.name)
+        if t.trace_hook is not None:
+            hooks.append(lambda m, _t=t, _o=dict(use.options), **kw: _t.trace_hook(m, _o, **kw))
+    return hooks
+
+
+def _lin(x1: float, x2: float, scale: float) -> int:
+    return int(round(x1 + (x2 - x1) * scale))
+
+
+def trace_excess(spec: ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: str,
+                 target_len: int | None, padded: bool) -> Excess:
+    full = layer_count(spec.config)
+    batch = setup.micro_batch if stage == "train" else setup.eval_batch
+    kw = dict(task=spec.task, micro_batch=batch, seq_len=seq_len, grad_accum=setup.grad_accum,
+              amp=setup.amp, dtype=spec.dtype, attn_implementation=spec.attn_implementation,
+              lora=spec.lora, stage=stage, target_len=target_len, padded=padded,
+              hooks=technique_hooks(setup))
+
+    def excess(n: int):
+        cfg = spec.config if n == full else with_layers(spec.config, n)
+        r = trace_step(spec.model_cls, cfg, **kw)
+        out = {}
+        for name, total in r.phases.items():
+            held = r.weights + r.inputs + (r.grads if name.endswith("_accum") else 0)
+            out[name] = total - held
+        cats = {name: {k: c.get(k, 0) for k in CATEGORIES} for name, c in r.categories.items()}
+        return out, cats, r.inputs, r.seconds
+
+    if full <= FULL_TRACE_MAX_LAYERS or setup.checkpoint_every_n_layers > 1:
+        ph, cats, inp, secs = excess(full)
+        return Excess(ph, cats, inp, secs, (full,))
+    k1, k2 = EXTRAPOLATE_AT
+    ph1, c1, inp, s1 = excess(k1)
+    ph2, c2, _, s2 = excess(k2)
+    scale = (full - k1) / (k2 - k1)
+    phases = {k: _lin(ph1[k], ph2[k], scale) for k in ph1}
+    cats = {k: {c: max(0, _lin(c1[k][c], c2[k][c], scale)) for c in c1[k]} for k in c1}
+    return Excess(phases, cats, inp, s1 + s2, (k1, k2))
+
+
+class TraceCache:
+    """Memoised traces for many estimates of one model (the planner's search).
+
+    A phase's peak is the max over the moments of the step of memory that is linear in the
+    micro-batch (activations are batch-major; weight-sized temporaries are constant), so it is
+    convex and piecewise linear in the batch: e.g. the start of the backward grows with the batch
+    while its end is dominated by gradients. A line through the traces at micro-batch 1 and 2,
+    extended to a larger batch, is therefore a *lower bound* (convexity): the planner uses it to
+    reject setups cheaply, and traces the exact batch (``exact=True``) before accepting one.
+
+    The key is the spec's ``trace_identity()`` and the setup's ``trace_key()`` (every setup field
+    a trace can depend on, techniques included), so optimizers, engines and accumulation share
+    a trace, and a new technique never does with the plain setup.
+    """
+
+    def __init__(self) -> None:
+        self._store: dict[tuple, Excess] = {}
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def key(self, spec: ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: str,
+            target_len: int | None, padded: bool) -> tuple:
+        return (spec.trace_identity(), stage, setup.trace_key(), seq_len, target_len, padded)
+
+    def excess(self, spec: ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: str,
+               target_len: int | None, padded: bool, exact: bool = True) -> Excess:
+        # traced with two micro-steps: one trace serves accumulating and non-accumulating setups
+        # (the accumulating phases are dropped when grad_accum == 1)
+        batch = setup.micro_batch if stage == "train" else setup.eval_batch
+        key = self.key(spec, setup, seq_len=seq_len, stage=stage, target_len=target_len,
+                       padded=padded)
+
+        def at(b: int) -> Excess:
+            k = key + (b,)
+            if k not in self._store:
+                s = setup.replace(micro_batch=b, eval_batch=b,
+                                  grad_accum=2 if stage == "train" else 1)
+                self._store[k] = trace_excess(spec, s, seq_len=seq_len, stage=stage,
+                                              target_len=target_len, padded=padded)
+            return self._store[k]
+
+        if exact or batch <= 2 or key + (batch,) in self._store:
+            e = at(batch)
+        else:  # lower bound (see the class docstring)
+            e = _batch_lower_bound(at(1), at(2), batch)
+        if stage == "train":  # the Trainer prefetches all micro-batches of a step
+            phases = e.phases if setup.grad_accum > 1 else {
+                p: v for p, v in e.phases.items() if not p.endswith("_accum")}
+            e = Excess(phases, e.categories, e.inputs // 2 * setup.grad_accum, e.seconds,
+                       e.layers, e.lower_bound)
+        return e
+
+
+def _batch_lower_bound(e1: Excess, e2: Excess, batch: int) -> Excess:
+    m = batch - 1
+    return Excess({k: _lin(e1.phases[k], e2.phases[k], m) for k in e1.phases},
+                  {p: {c: max(0, _lin(e1.categories[p][c], e2.categories[p][c], m))
+                       for c in e1.categories[p]} for p in e1.categories},
+                  _lin(e1.inputs, e2.inputs, m), 0.0, e1.layers, lower_bound=True)

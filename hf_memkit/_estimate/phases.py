@@ -1,0 +1,239 @@
+"""One step's peak from model states (``_engines``) and traced excess (``activations``).
+
+The peak of a Trainer optimizer step (steady state, step >= 2):
+
+    forward / backward, micro-step 1:  W + inputs + O + X          (X: activations, temporaries
+    forward / backward, micro-step 2+: W + inputs + O + G + X'      and gradients being created)
+    optimizer.step():                  W + inputs + G + O + T_opt
+    (W weights, G gradients, O optimizer state, T_opt the optimizer's transient buffers)
+
+Data-parallel engines: W, G and O become one rank's shards, and the forward and backward add
+the layers gathered at that moment (FSDP, ZeRO-3), one layer's unsharded gradients, and
+persistent communication buckets (DDP, DeepSpeed). Activations are replicated: each rank traces
+its own micro-batch, with the dtype the engine computes in. CUDA adds allocator rounding and
+segments, the context and cuBLAS workspaces (``_cuda``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .._cuda import CALIBRATION, cublas_workspace
+from .._device import DeviceInfo
+from .._engines import ENGINES, RankStates, StateSizes, rank_states
+from .._errors import HfMemkitError
+from .._model.spec import ModelSpec
+from .._optimizers import OptimizerContext, OptimizerMemory, get_optimizer_profile
+from .._setup import TrainingSetup
+from .._units import format_bytes
+from .activations import Excess, TraceCache, trace_excess
+from .result import MemoryEstimate
+
+BREAKDOWN_SUM_KEYS = ("weights", "gradients", "optimizer", "activations", "temporaries")
+# CPU estimates: relative 1-sigma of the residuals of bench/estimator_cpu.py (26 real Trainer runs:
+# std 0.22%, worst 0.97%), rounded up to 0.5% for architectures the bench does not cover.
+CPU_REL_SIGMA = 0.005
+TRACE_PHASE = {"forward": "forward", "backward": "backward", "eval forward": "eval",
+               "forward (accumulating)": "forward_accum",
+               "backward (accumulating)": "backward_accum"}
+EVAL_VOCAB_TASKS = ("causal-lm", "seq2seq-lm", "masked-lm")
+
+
+def check_setup(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, seq_len: int) -> list[str]:
+    """Raise for what cannot run; return what the estimate notes about the setup."""
+    if setup.checkpointing and not spec.supports_checkpointing:
+        raise HfMemkitError(
+            f"{spec.model_cls.__name__} does not support gradient checkpointing; set "
+            "activation_checkpointing=False (and use a smaller micro-batch or another memory "
+            "saver instead)")
+    learned = spec.learned_positions()
+    if learned and seq_len > learned:
+        raise HfMemkitError(f"seq_len {seq_len} exceeds this model's learned position "
+                            f"embeddings ({learned}); use seq_len <= {learned}")
+    notes = []
+    if setup.amp == "bf16" and dev.kind == "cuda" and not dev.supports_bf16:
+        notes.append(f"{dev.name} has no bf16 tensor cores (compute capability "
+                     f"{dev.compute_capability}); bf16 runs emulated and slow")
+    if setup.tf32:
+        notes.append("tf32 changes matmul precision only; no memory effect")
+    notes.extend(f"not modelled: {u}" for u in setup.unmodelled)
+    return notes
+
+
+def states_for(spec: ModelSpec, setup: TrainingSetup,
+               dev: DeviceInfo) -> tuple[RankStates, OptimizerMemory]:
+    """One rank's model states and the optimizer's memory for ``setup``."""
+    weights, trainable = spec.states()
+    om = get_optimizer_profile(setup.optim).estimate(
+        trainable, OptimizerContext(device_kind=dev.kind, optim_args=setup.optim_args))
+    sizes = StateSizes(weights, sum(p.nbytes for p in trainable),
+                       sum(p.numel for p in trainable), om.state, om.transient,
+                       spec.dtype.itemsize)
+    sh = setup.sharding
+    facts = spec.facts() if ENGINES.get(sh.engine).sharded else None
+    return rank_states(sh, sizes, facts=facts, device_kind=dev.kind), om
+
+
+def _state_notes(setup: TrainingSetup, rs: RankStates, om: OptimizerMemory,
+                 dev: DeviceInfo) -> list[str]:
+    sh = setup.sharding
+    notes = list(setup.notes)
+    if sh.engine != "none":
+        notes.append(f"per rank of {sh.label()}")
+        notes.extend(rs.notes)
+    if sh.engine == "fsdp" and dev.kind != "cuda":
+        notes.append("FSDP through the Trainer needs CUDA: on a CPU, accelerate drops the FSDP "
+                     "plugin and the Trainer silently trains DDP replicas; this estimate is for "
+                     "FSDP2 applied directly (fully_shard / accelerate's fsdp2_prepare_model)")
+    if rs.host:
+        notes.append(f"{format_bytes(rs.host)} per rank offloaded to host (CPU) memory")
+    if om.paged:
+        notes.append(f"{format_bytes(om.paged)} of paged optimizer state lives in CUDA managed "
+                     "memory (outside max_memory_allocated; NVML counts it while resident)")
+    return notes
+
+
+def trace_variant(spec: ModelSpec, setup: TrainingSetup) -> tuple[ModelSpec, TrainingSetup]:
+    """What each rank computes with: engines that gather or keep 16-bit parameters under mixed
+    precision (``Engine.traces_half``) run a 16-bit model without autocast copies."""
+    if (not setup.amp or spec.dtype != torch.float32 or spec.quant_bits
+            or not ENGINES.get(setup.sharding.engine).traces_half(setup.sharding)):
+        return spec, setup
+    half = torch.bfloat16 if setup.amp == "bf16" else torch.float16
+    return spec.in_dtype(half), setup.replace(amp=None)
+
+
+@dataclass
+class _Step:
+    """The per-phase totals of one step and what is alive at its peak."""
+
+    phases: dict[str, int]
+    excess: Excess
+    rs: RankStates
+    grad_factor: float
+    G_acc: int
+
+
+def _train_phases(ex: Excess, xp: dict[str, int], rs: RankStates) -> dict[str, int]:
+    W, G, O, B = rs.weights, rs.gradients, rs.optimizer, rs.buckets  # noqa: E741
+    gf, gb, gbuf = rs.gathered_forward, rs.gathered_backward, rs.grad_buffers
+    G_acc = G if rs.accum_gradients is None else rs.accum_gradients
+    base = W + ex.inputs + O + B
+    phases = {"forward": base + gf + xp["forward"],
+              "backward": base + gb + gbuf + xp["backward"],
+              "optimizer step": base + G + rs.optimizer_transient}
+    if "forward_accum" in xp:
+        phases["forward (accumulating)"] = base + G_acc + gf + xp["forward_accum"]
+        phases["backward (accumulating)"] = base + G_acc + gb + gbuf + xp["backward_accum"]
+    return phases
+
+
+def _step(spec: ModelSpec, trace_spec: ModelSpec, setup: TrainingSetup, ex: Excess,
+          rs: RankStates, stage: str) -> _Step:
+    xp = dict(ex.phases)
+    trainable = spec.states()[1]
+    # gradients made during the backward are reduce-scattered layer by layer: one rank keeps
+    # its shard, in the dtype of its sharded parameters (G per full set, offloaded: none)
+    traced_total = sum(p.numel for p in trainable) * trace_spec.dtype.itemsize \
+        if trace_spec is not spec else sum(p.nbytes for p in trainable)
+    sharded = ENGINES.get(setup.sharding.engine).grads_sharded(setup.sharding)
+    grad_factor = rs.gradients / traced_total if sharded and traced_total else 1.0
+    if sharded:
+        for key in ("backward", "backward_accum"):
+            if key in xp:
+                traced = ex.categories.get(key, {}).get("Gradient", 0)
+                xp[key] += int(traced * grad_factor) - traced
+    G_acc = rs.gradients if rs.accum_gradients is None else rs.accum_gradients
+    if stage == "train":
+        phases = _train_phases(ex, xp, rs)
+    else:
+        phases = {"eval forward": rs.weights + ex.inputs + rs.optimizer + rs.buckets
+                  + rs.gathered_forward + xp["eval"]}
+    return _Step(phases, ex, rs, grad_factor, G_acc)
+
+
+def _eval_logits_note(spec: ModelSpec, setup: TrainingSetup, seq_len: int,
+                      target_len: int | None) -> list[str]:
+    vocab = getattr(spec.config.get_text_config(), "vocab_size", None)
+    if setup.prediction_loss_only or not vocab or spec.task not in EVAL_VOCAB_TASKS:
+        return []
+    per_step = setup.eval_batch * (target_len or seq_len) * vocab * 4
+    every = setup.eval_accumulation_steps
+    return [f"the evaluation loop keeps each batch's logits ({format_bytes(per_step)} per "
+            "eval step) on the device " + (f"for {every} steps before moving them to the CPU"
+                                           if every else "until the evaluation ends") +
+            "; set prediction_loss_only=True or eval_accumulation_steps to bound it"]
+
+
+def _breakdown(step: _Step, phase: str) -> dict[str, int]:
+    """weights, gradients, optimizer, activations, temporaries at the peak (sum = peak)."""
+    rs, ex = step.rs, step.excess
+    cats = ex.categories.get(TRACE_PHASE.get(phase, ""), {})
+    grads_now = {"optimizer step": rs.gradients, "forward (accumulating)": step.G_acc,
+                 "backward (accumulating)": step.G_acc}.get(phase, 0)
+    if phase.startswith("backward"):
+        grads_now += rs.grad_buffers
+    if phase in ("forward", "backward", "eval forward"):
+        traced = cats.get("Gradient", 0)
+        grads_now += int(traced * step.grad_factor) if phase == "backward" else traced
+    gathered = rs.gathered_backward if phase.startswith("backward") else \
+        0 if phase == "optimizer step" else rs.gathered_forward
+    parts = {"weights": rs.weights + gathered, "gradients": grads_now + rs.buckets,
+             "optimizer": rs.optimizer, "activations": cats.get("Activation", 0)}
+    parts["temporaries"] = step.phases[phase] - sum(parts.values())
+    if parts["temporaries"] < 0:  # extrapolated categories can overshoot by a few bytes
+        parts["activations"] += parts["temporaries"]
+        parts["temporaries"] = 0
+    return parts
+
+
+def _device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int],
+                  om: OptimizerMemory) -> tuple[int, int, int, float, list[str]]:
+    """(peak_allocated, peak_reserved, device_used, relative sigma, notes); adds the CUDA
+    fragmentation and context to ``parts``."""
+    if dev.kind != "cuda":
+        parts["fragmentation"] = parts["context"] = 0
+        return peak, peak, peak, CPU_REL_SIGMA, []
+    cal = CALIBRATION
+    workspace = cublas_workspace(dev.compute_capability) + cal.alloc_const
+    allocated = peak + workspace
+    parts["temporaries"] += workspace
+    parts["fragmentation"] = frag = int(cal.frag_ratio * allocated + cal.frag_const)
+    parts["context"] = cal.context
+    reserved = allocated + frag
+    return allocated, reserved, reserved + cal.context + om.paged, cal.rel_sigma, [
+        "CUDA: cuBLAS workspaces, allocator fragmentation and context from the anchor "
+        "calibration (bench/estimator_gpu_anchors.py)"]
+
+
+def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_len: int,
+                 stage: str = "train", target_len: int | None = None, padded: bool = False,
+                 cache: TraceCache | None = None, exact: bool = True) -> MemoryEstimate:
+    """``estimate_memory`` for an already resolved model and setup (the planner's entry).
+    ``exact=False`` with a cache may return a lower bound (``MemoryEstimate.lower_bound``)."""
+    notes = check_setup(spec, setup, dev, seq_len)
+    rs, om = states_for(spec, setup, dev)
+    notes += _state_notes(setup, rs, om, dev)
+    trace_spec, trace_setup = trace_variant(spec, setup)
+    kw = dict(seq_len=seq_len, stage=stage, target_len=target_len, padded=padded)
+    ex = cache.excess(trace_spec, trace_setup, exact=exact, **kw) if cache is not None \
+        else trace_excess(trace_spec, trace_setup, **kw)
+    # QLoRA's dequantisation temporaries are traced (_trace.SimLinear4bit); an 8-bit base is
+    # traced as frozen linears of the load dtype.
+    step = _step(spec, trace_spec, setup, ex, rs, stage)
+    if stage != "train":
+        notes += _eval_logits_note(spec, setup, seq_len, target_len)
+    phase = max(step.phases, key=lambda k: step.phases[k])
+    parts = _breakdown(step, phase)
+    allocated, reserved, used, rel, cuda_notes = _device_terms(dev, step.phases[phase], parts, om)
+    notes += cuda_notes
+    if om.paged:
+        parts["optimizer_paged"] = om.paged
+    return MemoryEstimate(
+        peak_allocated=int(allocated), peak_reserved=int(reserved), device_used=int(used),
+        breakdown={k: int(v) for k, v in parts.items()}, peak_phase=phase, stage=stage,
+        device=dev, setup=setup, seq_len=seq_len, uncertainty=rel, notes=notes,
+        trace_seconds=ex.seconds, traced_layers=ex.layers, model_states=int(rs.model_states),
+        host_offloaded=int(rs.host), lower_bound=ex.lower_bound)

@@ -1,0 +1,79 @@
+"""``MemoryEstimate``: the predicted memory of one step, in bytes, and how to read it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._device import DeviceInfo
+from .._setup import TrainingSetup
+from .._units import format_bytes
+
+
+@dataclass
+class MemoryEstimate:
+    """Predicted memory of one step. Bytes throughout; ``explain()`` renders it."""
+
+    peak_allocated: int = field(metadata={"help": "Max live tensor bytes (max_memory_allocated)."})
+    peak_reserved: int = field(metadata={"help": "Caching-allocator reserved at peak (CPU: = allocated)."})
+    device_used: int = field(metadata={"help": "What NVML shows: reserved + context + workspaces."})
+    breakdown: dict[str, int] = field(metadata={
+        "help": "weights, gradients, optimizer, activations, temporaries (sum to peak_allocated); "
+                "fragmentation, context; optimizer_paged when a paged optimizer keeps state in "
+                "CUDA managed memory"})
+    peak_phase: str = field(metadata={"help": "'forward', 'backward', 'forward (accumulating)', "
+                                              "'backward (accumulating)', 'optimizer step' or "
+                                              "'eval forward'."})
+    stage: str = field(metadata={"help": "'train' or 'eval'."})
+    device: DeviceInfo = field(repr=False, metadata={"help": "Device estimated for."})
+    setup: TrainingSetup = field(repr=False, metadata={"help": "Normalised training arguments."})
+    seq_len: int = field(default=0, metadata={"help": "Sequence length (the longest in a batch)."})
+    uncertainty: float = field(default=0.0, metadata={"help": "Relative 1-sigma of device_used."})
+    notes: list[str] = field(default_factory=list, metadata={"help": "What was assumed or noted."})
+    model_states: int = field(default=0, metadata={
+        "help": "Resident weights + gradients + optimizer state on this rank (sharded where the "
+                "engine shards; DeepSpeed ZeRO-3 with its gathered largest module)."})
+    host_offloaded: int = field(default=0, metadata={
+        "help": "Bytes an offloading engine keeps in host memory for this rank."})
+    trace_seconds: float = field(default=0.0, repr=False)
+    traced_layers: tuple[int, ...] = field(default=(), repr=False)
+    lower_bound: bool = field(default=False, repr=False, metadata={
+        "help": "True when the planner only bounded this setup from below (it did not fit)."})
+
+    @property
+    def band(self) -> tuple[int, int]:
+        """device_used +- 2 sigma (about a 95% band from the calibration residuals)."""
+        d = 2 * self.uncertainty * self.device_used
+        return int(self.device_used - d), int(self.device_used + d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "peak_allocated": self.peak_allocated, "peak_reserved": self.peak_reserved,
+            "device_used": self.device_used, "breakdown": dict(self.breakdown),
+            "peak_phase": self.peak_phase, "stage": self.stage, "seq_len": self.seq_len,
+            "uncertainty": self.uncertainty, "notes": list(self.notes),
+            "model_states": self.model_states, "host_offloaded": self.host_offloaded,
+            "device": self.device.to_dict(), "setup": self.setup.to_dict(),
+        }
+
+    def explain(self) -> str:
+        from .._render import estimate_table, render_to_text
+
+        return render_to_text(estimate_table(self))
+
+    def __str__(self) -> str:
+        return (f"MemoryEstimate({self.stage} on {self.device.name}: device_used "
+                f"{format_bytes(self.device_used)}, peak_allocated {format_bytes(self.peak_allocated)}"
+                f", peak in {self.peak_phase})")
+
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MemoryEstimate:
+        """Inverse of ``to_dict`` (``Plan.from_dict`` reads its candidates' estimates so)."""
+        return cls(
+            peak_allocated=d["peak_allocated"], peak_reserved=d["peak_reserved"],
+            device_used=d["device_used"], breakdown=dict(d["breakdown"]),
+            peak_phase=d["peak_phase"], stage=d["stage"],
+            device=DeviceInfo.from_dict(d["device"]), setup=TrainingSetup.from_dict(d["setup"]),
+            seq_len=d["seq_len"], uncertainty=d["uncertainty"], notes=list(d["notes"]),
+            model_states=d.get("model_states", 0), host_offloaded=d.get("host_offloaded", 0))

@@ -1,0 +1,225 @@
+"""The model as the estimator needs it: ``resolve_model`` -> ``ModelSpec``.
+
+A spec holds the config, the class, the load dtype, attention, adapters and quantization, and a
+meta instance (adapters included). What is derived from it is memoised on the spec itself:
+``states()`` (weights and trainable parameters), ``facts()`` (layer structure for sharding),
+``trace_identity()`` (what a trace depends on) and ``in_dtype()`` (a 16-bit variant).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from .._errors import HfMemkitError
+from .._optimizers import ParamInfo
+from .._trace import LoraSpec, quantizable_linears
+from .facts import ModelFacts, model_facts
+from .profile import build_model, logical_numel, to_config, unwrap_model
+from .tasks import normalize_task, task_of_class
+
+# bitsandbytes NF4 (bitsandbytes/functional.py quantize_4bit): 2 weights per byte, one fp32
+# absmax per 64-weight block; double quantization stores absmax as uint8 plus one fp32 per 256.
+NF4_BLOCK = 64
+
+
+@dataclass
+class ModelSpec:
+    config: PretrainedConfig
+    model_cls: type
+    task: str
+    dtype: torch.dtype                       # floating dtype of the (non-quantized) weights
+    attn_implementation: str | None
+    lora: LoraSpec | None
+    quant_bits: int | None                   # 4 / 8 for a bitsandbytes base, else None
+    double_quant: bool
+    meta: torch.nn.Module                    # full model (with adapters) on the meta device
+    supports_checkpointing: bool
+    _states: tuple[int, list[ParamInfo]] | None = field(default=None, init=False, repr=False)
+    _facts: ModelFacts | None = field(default=None, init=False, repr=False)
+    _identity: tuple | None = field(default=None, init=False, repr=False)
+    _variants: dict = field(default_factory=dict, init=False, repr=False)
+
+    def states(self) -> tuple[int, list[ParamInfo]]:
+        """(weight bytes incl. buffers and quantization constants, trainable params)."""
+        if self._states is None:
+            self._states = _model_states(self)
+        return self._states
+
+    def facts(self) -> ModelFacts:
+        """Layer structure for sharding."""
+        if self._facts is None:
+            self._facts = model_facts(self.meta)
+        return self._facts
+
+    def trace_identity(self) -> tuple:
+        """What a trace depends on: specs built separately for the same model, dtype, attention
+        and adapters share traces (e.g. pure bf16 and FSDP's 16-bit gathers)."""
+        if self._identity is None:
+            self._identity = (self.model_cls, self.config.to_json_string(use_diff=False),
+                              self.task, self.dtype, self.attn_implementation, repr(self.lora),
+                              self.quant_bits)
+        return self._identity
+
+    def in_dtype(self, dtype: torch.dtype) -> ModelSpec:
+        """The same model loaded in ``dtype`` (memoised)."""
+        if dtype not in self._variants:
+            self._variants[dtype] = dataclasses.replace(self, dtype=dtype)
+        return self._variants[dtype]
+
+    def learned_positions(self) -> int | None:
+        """Longest sequence a model with a learned absolute position table can take (None:
+        rotary, relative or other schemes). OPT/RoBERTa tables carry an offset of 2."""
+        limit = getattr(self.meta.config.get_text_config(), "max_position_embeddings", None)
+        for name, m in self.meta.named_modules():
+            if isinstance(m, torch.nn.Embedding) and ("pos" in name.split(".")[-1] or
+                                                      name.endswith("wpe")):
+                return int(limit) if limit else m.num_embeddings
+        return None
+
+
+def quant_from(qc: Any) -> tuple[int | None, bool, torch.dtype | None]:
+    """(bits, double quantization, compute dtype) of a bitsandbytes config (or dict)."""
+    if qc is None:
+        return None, False, None
+    get = qc.get if isinstance(qc, dict) else (lambda k, d=None: getattr(qc, k, d))
+    if get("load_in_4bit", False):
+        cd = get("bnb_4bit_compute_dtype", None)
+        if isinstance(cd, str):
+            cd = getattr(torch, cd.replace("torch.", ""))
+        return 4, bool(get("bnb_4bit_use_double_quant", False)), cd
+    if get("load_in_8bit", False):
+        return 8, False, None
+    raise HfMemkitError(
+        "quantization_config must be a bitsandbytes config with load_in_4bit or load_in_8bit; "
+        f"got {qc!r}")
+
+
+@dataclass
+class _Loaded:
+    """What a loaded model says about itself."""
+
+    config: PretrainedConfig
+    model_cls: type
+    task: str
+    dtype: torch.dtype
+    attn: str | None
+    lora_cfg: Any
+    quant_bits: int | None
+    double_quant: bool
+
+
+def _from_module(model: torch.nn.Module, task: str | None, dtype: torch.dtype | None,
+                 attn: str | None, lora_cfg: Any, quant: tuple) -> _Loaded:
+    base, is_peft = unwrap_model(model)
+    config = base.config
+    task = normalize_task(task, config) if task else task_of_class(type(base), config)
+    floats = [p.dtype for p in base.parameters() if p.is_floating_point()
+              and type(p).__name__ not in ("Params4bit", "Int8Params")]
+    dtype = dtype or (max(set(floats), key=floats.count) if floats else torch.float32)
+    attn = attn or getattr(config, "_attn_implementation", None)
+    if is_peft and lora_cfg is None:
+        lora_cfg = next(iter(model.peft_config.values()))
+    bits, double = quant[0], quant[1]
+    if bits is None:
+        kinds = {type(p).__name__ for p in base.parameters()}
+        bits = 4 if "Params4bit" in kinds else 8 if "Int8Params" in kinds else None
+        qc = getattr(config, "quantization_config", None)
+        if bits and qc is not None:
+            double = bool(quant_from(qc)[1]) if bits == 4 else False
+    return _Loaded(config, type(base), task, dtype, attn, lora_cfg, bits, double)
+
+
+def _from_config(ref: Any, task: str | None, dtype: torch.dtype | None, attn: str | None,
+                 lora_cfg: Any, quant: tuple) -> _Loaded:
+    config = to_config(ref)
+    task = normalize_task(task, config)
+    model_cls = type(build_model(config, task))
+    # A quantized base goes through peft's prepare_model_for_kbit_training (the standard QLoRA
+    # recipe, and what Plan.prepare does): every non-quantized bf16/fp16 parameter (embeddings,
+    # head, norms) is upcast to fp32, and adapters are fp32.
+    return _Loaded(config, model_cls, task, dtype or torch.float32, attn, lora_cfg, quant[0],
+                   quant[1])
+
+
+def resolve_model(model: Any, *, task: str | None = None, dtype: torch.dtype | str | None = None,
+                  attn_implementation: str | None = None, peft_config: Any = None,
+                  quantization_config: Any = None, meta_cache: dict | None = None) -> ModelSpec:
+    """A ``ModelSpec`` of a model (any device), a config, a catalog name or a local directory.
+    ``meta_cache`` shares meta instances between specs of one model (the planner's LoRA rungs)."""
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.replace("torch.", ""), None) if dtype != "auto" else None
+    quant = quant_from(quantization_config)
+    if isinstance(model, torch.nn.Module):
+        ld = _from_module(model, task, dtype, attn_implementation, peft_config, quant)
+    elif isinstance(model, (PretrainedConfig, str)) or hasattr(model, "__fspath__"):
+        ld = _from_config(model, task, dtype, attn_implementation, peft_config, quant)
+    else:
+        raise HfMemkitError(
+            "estimate_memory takes a transformers model (any device, meta included), a "
+            f"PretrainedConfig, a catalog name or a local directory; got {type(model).__name__}")
+    if ld.quant_bits and ld.lora_cfg is None:
+        raise HfMemkitError(
+            f"a {ld.quant_bits}-bit base cannot be trained directly; give `peft_config` "
+            "(a peft.LoraConfig) for QLoRA, or drop quantization_config")
+    key = (ld.model_cls, id(ld.config), ld.dtype, ld.attn, repr(ld.lora_cfg))
+    meta = meta_cache.get(key) if meta_cache is not None else None
+    if meta is None:
+        meta = _meta_model(ld.model_cls, ld.config, ld.dtype, ld.attn, ld.lora_cfg)
+        if meta_cache is not None:
+            meta_cache[key] = meta
+    lora = LoraSpec(ld.lora_cfg, quantized_4bit=ld.quant_bits == 4,
+                    compute_dtype=quant[2] or torch.bfloat16) if ld.lora_cfg is not None else None
+    return ModelSpec(ld.config, ld.model_cls, ld.task, ld.dtype, ld.attn, lora, ld.quant_bits,
+                     ld.double_quant, meta,
+                     bool(getattr(ld.model_cls, "supports_gradient_checkpointing", False)))
+
+
+def _meta_model(model_cls: type, config: PretrainedConfig, dtype: torch.dtype,
+                attn: str | None, lora_cfg: Any) -> torch.nn.Module:
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if attn:
+        kwargs["attn_implementation"] = attn
+    with torch.device("meta"):
+        m = model_cls._from_config(copy.deepcopy(config), **kwargs)
+        if lora_cfg is not None:
+            import peft
+
+            m = peft.get_peft_model(m, copy.deepcopy(lora_cfg))
+    return m
+
+
+def _quantized_bytes(spec: ModelSpec) -> tuple[int, set[int]]:
+    """Bytes of the quantized linears (packed weights + constants) and their weights' ids."""
+    weights, quantized = 0, set()
+    base = spec.meta.get_base_model() if hasattr(spec.meta, "get_base_model") else spec.meta
+    for _name, mod in quantizable_linears(base):
+        quantized.add(id(mod.weight))
+        n = mod.weight.numel()
+        if spec.quant_bits == 4:
+            blocks = -(-n // NF4_BLOCK)
+            absmax = (blocks + 4 * -(-blocks // 256)) if spec.double_quant else 4 * blocks
+            weights += -(-n // 2) + absmax
+        else:  # LLM.int8: int8 weight + fp32 row scale
+            weights += n + 4 * mod.weight.shape[0]
+    return weights, quantized
+
+
+def _model_states(spec: ModelSpec) -> tuple[int, list[ParamInfo]]:
+    weights, quantized = _quantized_bytes(spec) if spec.quant_bits else (0, set())
+    embeddings = {id(m.weight) for m in spec.meta.modules() if isinstance(m, torch.nn.Embedding)}
+    trainable: list[ParamInfo] = []
+    for p in spec.meta.parameters():
+        if id(p) in quantized:
+            continue
+        weights += logical_numel(p) * p.element_size()
+        if p.requires_grad:
+            trainable.append(ParamInfo(p.numel(), tuple(p.shape), p.element_size(),
+                                       embedding=id(p) in embeddings))
+    weights += sum(b.numel() * b.element_size() for b in spec.meta.buffers())
+    return weights, trainable

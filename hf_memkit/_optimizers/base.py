@@ -1,0 +1,137 @@
+"""The optimizer registry: one ``OptimizerProfile`` per ``TrainingArguments.optim`` value.
+
+A profile says everything hf_memkit needs about an optimizer, so adding one is one entry in one
+file of this package:
+  * ``estimate``: for the trainable parameters, ``state`` (persistent bytes, created lazily at the
+    first ``step()``), ``transient`` (the largest extra allocation alive inside ``step()``) and
+    ``paged`` (state in CUDA unified memory, outside the caching allocator);
+  * ``step_cost``: the step's time relative to fused AdamW (memory-bound: bytes moved per
+    parameter), for the planner's cost model;
+  * ``accelerate_class`` / ``accelerate_kwargs``: what ``Plan.accelerator_kwargs`` hands a custom
+    accelerate loop;
+  * ``plan_on``: the device kinds on which the planner may pick it (empty: only when pinned);
+  * ``shardable``: whether it steps FSDP2 DTensor shards and DeepSpeed partitions.
+Sources are cited per entry: the optimizer's own ``step`` code in the installed library.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._compat import is_bitsandbytes_available
+from .._errors import HfMemkitError, did_you_mean
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One trainable parameter tensor, as the optimizer sees it."""
+
+    numel: int
+    shape: tuple[int, ...]
+    itemsize: int  # bytes per element of the parameter (and of its gradient)
+    embedding: bool = False  # the weight of an nn.Embedding (bitsandbytes keeps it 32-bit)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+@dataclass(frozen=True)
+class OptimizerContext:
+    """Facts of the run that change optimizer memory."""
+
+    device_kind: str = "cpu"                  # foreach defaults on only for CUDA tensors
+    optim_args: dict[str, str] = field(default_factory=dict)
+    num_groups: int = 2                       # the Trainer: decay / no-decay groups
+
+
+@dataclass(frozen=True)
+class OptimizerMemory:
+    state: int
+    transient: int
+    paged: int = 0
+
+
+# Step time relative to fused AdamW for an optimizer whose entry gives none.
+DEFAULT_STEP_COST = 1.5
+
+
+@dataclass(frozen=True)
+class OptimizerProfile:
+    name: str
+    estimate: Callable[[Sequence[ParamInfo], OptimizerContext], OptimizerMemory]
+    source: str
+    needs: str | None = None               # optional package that the Trainer needs for it
+    step_cost: float = DEFAULT_STEP_COST
+    accelerate_class: str | None = None    # None: the optim name itself
+    accelerate_kwargs: dict[str, Any] = field(default_factory=dict)
+    plan_on: tuple[str, ...] = ()          # device kinds the planner searches it on
+    shardable: bool = False                # steps FSDP2 / DeepSpeed shards
+
+    def available(self) -> bool:
+        return self.needs != "bitsandbytes" or is_bitsandbytes_available()
+
+    def accelerate_recipe(self) -> dict[str, Any]:
+        return {"class": self.accelerate_class or self.name, "kwargs": dict(self.accelerate_kwargs)}
+
+
+_REGISTRY: dict[str, OptimizerProfile] = {}
+
+
+def register(profile: OptimizerProfile, *aliases: str) -> None:
+    for name in (profile.name, *aliases):
+        _REGISTRY[name] = profile
+
+
+def supported_optimizers() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_optimizer_profile(name: str) -> OptimizerProfile:
+    key = str(getattr(name, "value", name))
+    if key not in _REGISTRY:
+        raise HfMemkitError(
+            f"cannot model the memory of optimizer `{key}`{did_you_mean(key, _REGISTRY)}; "
+            f"modelled: {', '.join(supported_optimizers())}. Pick one of these for `optim`, or "
+            "open an issue with the optimizer's state layout"
+        )
+    return _REGISTRY[key]
+
+
+def planner_optimizers(device_kind: str) -> list[str]:
+    """The optimizers the planner searches on ``device_kind``, cheapest step first."""
+    found = [p for name, p in _REGISTRY.items()
+             if name == p.name and device_kind in p.plan_on and p.available()]
+    return [p.name for p in sorted(found, key=lambda p: p.step_cost)]
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers shared by the entries
+# ----------------------------------------------------------------------------------------------
+
+STEP_TENSOR = 4  # torch.optim keeps `state["step"]` as a float32 0-d tensor per parameter
+ALL_DEVICES = ("cuda", "cpu", "mps")
+
+
+def largest(params: Sequence[ParamInfo]) -> int:
+    return max((p.nbytes for p in params), default=0)
+
+
+def foreach(ctx: OptimizerContext) -> bool:
+    # torch.optim.optimizer._default_to_fused_or_foreach: foreach only when every param is a
+    # native tensor on a foreach-supported device (CUDA); CPU runs the single-tensor loop.
+    return ctx.device_kind == "cuda"
+
+
+def per_tensor_state(params: Sequence[ParamInfo], copies: int) -> int:
+    return sum(copies * p.nbytes + STEP_TENSOR for p in params)
+
+
+def trainer_groups(params: Sequence[ParamInfo]) -> list[list[ParamInfo]]:
+    """The Trainer's two groups, in model order: weight-decayed (matrices) and not (biases,
+    norms). transformers/trainer.py get_decay_parameter_names excludes biases and norm weights."""
+    decay = [p for p in params if len(p.shape) >= 2]
+    no_decay = [p for p in params if len(p.shape) < 2]
+    return [g for g in (decay, no_decay) if g]

@@ -1,0 +1,115 @@
+"""Pick the fastest training setup that fits: ``plan_training`` -> ``Plan``.
+
+Data flow: ``PlanRequest`` (validated once) -> ``space`` (candidates: method x rung x precision
+x optimizer x searched techniques x micro-batch) -> ``cost`` (relative time per sample) ->
+``search`` (lower bounds, then exact estimates, in ladder order) -> ``emit`` (TrainingArguments,
+model and accelerate kwargs) -> ``result.Plan``. ``reverse`` answers "how large can it be?".
+
+With ``method="auto"`` full fine-tuning wins whenever some full setup fits (LoRA changes what is
+trained, so it is a fallback, never a speed trick).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._methods import METHODS, ladder
+from .._model.profile import architecture_facts
+from .._setup import training_args_fields
+from .cost import Shape
+from .emit import ArgsContext, accelerator_kwargs, model_kwargs, parallel_summary, training_args
+from .request import PlanRequest, Problem, engine_choices
+from .result import MEMORY_FIELDS, Plan
+from .reverse import max_batch_size, max_seq_len
+from .search import Search
+from .space import Candidate, SpecBook, attention, candidates
+
+
+def _model_name(model: Any, spec: Any) -> Any:
+    if isinstance(model, str) or hasattr(model, "__fspath__"):
+        return str(model)
+    return spec.config  # a config or a model: keep its config (re-estimates use it)
+
+
+def _search_for(req: PlanRequest) -> tuple[Search, list[Candidate]]:
+    methods = ladder(req.method)
+    book = SpecBook(req, {m.name: m for m in methods})
+    facts = architecture_facts(book.base.config)
+    ctx = ArgsContext(req.pins, req.dev, req.ranks, facts["hidden_size"] or 1,
+                      book.base.facts().layer_class)
+    shape = Shape(sum(p.numel() for p in book.base.meta.parameters()), facts["num_layers"] or 1,
+                  facts["hidden_size"] or 1, facts["num_attention_heads"] or 1, req.seq_len,
+                  req.per_rank, req.nodes)
+    s = Search(req, book, ctx, shape, methods, req.budget(), req.host_budget())
+    return s, candidates(req, methods, book, s.notes)
+
+
+def _finish(s: Search, cands: list[Candidate], chosen: Candidate) -> Plan:
+    req = s.req
+    chosen.chosen, chosen.reason = True, "fastest setup that fits"
+    for c in cands:
+        if c.fits and not c.chosen:
+            c.reason = "fits; slower than the chosen setup"
+        elif not c.reason and c.estimate is None:
+            c.reason = "not estimated: slower than the chosen setup" if (
+                c.method == chosen.method) else (
+                "not needed: a full fine-tuning setup fits" if chosen.method == "full"
+                else "not estimated")
+    base_time = chosen.rel_time
+    for c in cands:
+        c.rel_time = c.rel_time / base_time
+    spec, peft_cfg, quant = s.book.get(chosen.method, chosen.precision)
+    attn, attn_why = attention(s.book.base, req.dev, chosen.precision)
+    notes = s.notes + [f"attention: {attn} ({attn_why})"]
+    method = METHODS.get(chosen.method)
+    if method.note:
+        notes.append(method.note)
+    if chosen.precision == "pure-bf16":
+        notes.append("pure bf16: weights, gradients and optimizer state in bf16 with no fp32 "
+                     "master copy (as torchtune defaults to); saves memory but changes numerics")
+    if chosen.micro_batch < req.per_rank:
+        notes.append(f"micro-batch {chosen.micro_batch} x {chosen.grad_accum} accumulation steps "
+                     f"x {req.ranks} rank(s) = {req.target_batch_size}")
+    ta = training_args(chosen, s.ctx, s.eval_batch(chosen))
+    parallel = parallel_summary(chosen, ta, s.setup_of(chosen).sharding, req.nodes, notes,
+                                chosen.estimate)
+    return Plan(device=req.dev, model_name=_model_name(req.model, s.book.base),
+                seq_len=req.seq_len, target_batch_size=req.target_batch_size,
+                num_gpus=req.ranks, method=req.method, budget=s.budget,
+                training_args_kwargs=ta, model_kwargs=model_kwargs(chosen, attn, quant, req.dev),
+                peft_config=peft_cfg, accelerator_kwargs=accelerator_kwargs(chosen, ta),
+                candidates=cands, notes=notes, num_nodes=req.nodes, parallel=parallel)
+
+
+def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: Any = None,
+                  num_gpus: int | None = None, method: str = "auto", headroom: float = 0.1,
+                  max_memory: int | str | None = None, task: str | None = None,
+                  num_nodes: int = 1, engine: str = "auto", host_memory: int | str | None = None,
+                  **constraints: Any) -> Plan:
+    """Choose the fastest setup whose predicted ``device_used`` fits the memory budget.
+
+    ``constraints`` pin TrainingArguments fields (e.g. ``optim="adamw_torch_fused"``,
+    ``activation_checkpointing=False``) or restrict the search (``micro_batch=4``).
+    ``num_gpus`` ranks over ``num_nodes`` nodes: DDP when a replica fits, else FSDP2
+    (``engine="fsdp"``, the default) or DeepSpeed ZeRO (``engine="deepspeed"``) sharding, and
+    CPU offload only as the last rung; ``engine="ddp"`` never shards. ``host_memory`` (bytes or
+    "512GiB", per node) bounds what offload may keep in CPU RAM; planning for this machine it
+    defaults to its RAM, for a catalog GPU offload is only noted with what it needs.
+    """
+    req = PlanRequest(model, seq_len, target_batch_size, device, num_gpus, method, headroom,
+                      max_memory, task, num_nodes, engine, host_memory, dict(constraints))
+    req.raise_problems("plan_training")
+    s, cands = _search_for(req)
+    return _finish(s, cands, s.run(cands))
+
+
+def auto_training_args(model: Any, **kwargs: Any):
+    """``plan_training(model, **kwargs).to_training_args()``; ``output_dir`` and other
+    TrainingArguments that do not change memory may be passed and are applied as overrides."""
+    overrides = {k: kwargs.pop(k) for k in list(kwargs)
+                 if k in training_args_fields() and k not in MEMORY_FIELDS}
+    return plan_training(model, **kwargs).to_training_args(**overrides)
+
+
+__all__ = ["Candidate", "Plan", "PlanRequest", "Problem", "auto_training_args", "engine_choices",
+           "max_batch_size", "max_seq_len", "plan_training"]

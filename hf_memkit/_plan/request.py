@@ -1,0 +1,239 @@
+"""What a plan is asked for, validated once: ``PlanRequest.problems()``.
+
+``plan_training``, the CLI and the recipe loader all build a ``PlanRequest`` and report its
+problems; each problem names the request field it is about (``Problem.field``), so a recipe can
+say which YAML key holds the bad value. Fitting rules (DESIGN.md): budget = ``max_memory`` or
+``total_memory x (1 - headroom)``, and no more than ``free_memory`` when planning for the device
+this process runs on; the effective batch (micro-batch x accumulation x ranks) equals
+``target_batch_size`` exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, NamedTuple
+
+from .._device import DeviceInfo, probe_device, resolve_device
+from .._engines import user_engines
+from .._errors import ConfigError, did_you_mean
+from .._methods import METHODS, method_choices
+from .._setup import training_args_fields
+from .._units import parse_bytes
+
+# GPUs one node of the catalog cards holds (HGX/DGX boards); more need num_nodes.
+MAX_GPUS_PER_NODE = 8
+SEARCH_CONSTRAINTS = ("micro_batch",)
+
+
+class Problem(NamedTuple):
+    field: str     # the PlanRequest field (or TrainingArguments pin) the problem is about
+    message: str   # a sentence that stands on its own
+    detail: str | None = None  # the same, said under the field's name (default: message)
+
+    @property
+    def under_key(self) -> str:
+        return self.detail or self.message
+
+
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def engine_choices() -> list[str]:
+    return ["auto", *user_engines()]
+
+
+def _choice_problem(name: str, value: Any, allowed: list[str]) -> Problem:
+    detail = (f"expected one of {', '.join(allowed)}, got {value!r}"
+              f"{did_you_mean(str(value), allowed)}")
+    return Problem(name, f"{name} `{value}` is unknown; {detail}", detail)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class PlanRequest:
+    """The arguments of ``plan_training``. With ``partial=True`` (a recipe being checked) a
+    field that is None is unknown and its rules are skipped, and the device is not probed."""
+
+    model: Any = None
+    seq_len: int | None = None
+    target_batch_size: int | None = None
+    device: Any = None
+    num_gpus: int | None = None
+    method: str = "auto"
+    headroom: float = 0.1
+    max_memory: int | str | None = None
+    task: str | None = None
+    num_nodes: int | None = 1
+    engine: str = "auto"
+    host_memory: int | str | None = None
+    constraints: dict[str, Any] = field(default_factory=dict)
+    partial: bool = False
+
+    # -- derived ------------------------------------------------------------------------------
+    @property
+    def probed(self) -> bool:
+        return self.device is None
+
+    @cached_property
+    def dev(self) -> DeviceInfo:
+        return probe_device() if self.probed else resolve_device(self.device)
+
+    @property
+    def ranks(self) -> int:
+        return self.num_gpus if _positive_int(self.num_gpus) else 1
+
+    @property
+    def nodes(self) -> int:
+        return self.num_nodes if _positive_int(self.num_nodes) else 1
+
+    @property
+    def per_rank(self) -> int:
+        return self.target_batch_size // self.ranks
+
+    @cached_property
+    def pins(self) -> dict[str, Any]:
+        fields = training_args_fields()
+        return {k: v for k, v in self.constraints.items() if k in fields}
+
+    @cached_property
+    def search(self) -> dict[str, Any]:
+        return {k: v for k, v in self.constraints.items() if k not in self.pins}
+
+    def micro_batches(self) -> list[int]:
+        if "per_device_train_batch_size" in self.pins:
+            return [self.pins["per_device_train_batch_size"]]
+        if "micro_batch" in self.search:
+            return [self.search["micro_batch"]]
+        return _divisors(self.per_rank)
+
+    def budget(self) -> int:
+        if self.max_memory is not None:
+            return parse_bytes(self.max_memory)
+        budget = int(self.dev.total_memory * (1 - self.headroom))
+        if self.probed and self.dev.free_memory is not None:  # this process's device: free now
+            budget = min(budget, self.dev.free_memory)
+        return budget
+
+    def host_budget(self) -> int | None:
+        if self.host_memory is not None:
+            return parse_bytes(self.host_memory)
+        return host_ram() if self.probed else None
+
+    # -- validation ---------------------------------------------------------------------------
+    def problems(self) -> list[Problem]:
+        out = self._value_problems() + self._choice_problems()
+        if not any(p.field in ("num_gpus", "num_nodes") for p in out):
+            out += self._rank_problems()
+        out += self._batch_problems()
+        return out
+
+    def raise_problems(self, source: str = "plan_training") -> None:
+        problems = self.problems()
+        if problems:
+            raise ConfigError([p.message for p in problems], source=source)
+
+    def _value_problems(self) -> list[Problem]:
+        out = []
+        for name in ("seq_len", "target_batch_size"):
+            v = getattr(self, name)
+            if not (self.partial and v is None) and not _positive_int(v):
+                out.append(Problem(name, f"{name} must be a positive integer, got {v!r}"))
+        if not (isinstance(self.headroom, (int, float)) and 0 <= self.headroom < 1):
+            out.append(Problem("headroom", f"headroom must be in [0, 1), got {self.headroom!r}"))
+        for name in ("num_gpus", "num_nodes"):
+            v = getattr(self, name)
+            if v is not None and not _positive_int(v):
+                out.append(Problem(name, f"{name} must be a positive integer, got {v!r}"))
+        for k in self.search:
+            if k not in SEARCH_CONSTRAINTS:
+                out.append(Problem(k, f"unknown constraint `{k}`: give TrainingArguments fields "
+                                      "or micro_batch"))
+        return out
+
+    def _choice_problems(self) -> list[Problem]:
+        out = []
+        if self.method not in method_choices():
+            out.append(_choice_problem("method", self.method, method_choices()))
+        else:
+            wanted = [m for m in METHODS if self.method in m.selected_by]
+            if self.method != "auto" and not any(m.available() for m in wanted):
+                out.append(Problem("method", f"method `{self.method}` {wanted[0].missing()}"))
+        if self.engine not in engine_choices():
+            out.append(_choice_problem("engine", self.engine, engine_choices()))
+        return out
+
+    def _rank_problems(self) -> list[Problem]:
+        ranks, nodes = self.ranks, self.nodes
+        if ranks % nodes:
+            return [Problem("num_nodes", f"num_gpus={ranks} is not a multiple of num_nodes="
+                                         f"{nodes}; give the total GPU count over all nodes")]
+        if self.partial:
+            return []
+        per_node, dev = ranks // nodes, self.dev
+        if self.probed and ranks > 1 and dev.kind != "cuda":
+            return [Problem("num_gpus", f"num_gpus={ranks} but this machine has no CUDA GPU "
+                                        f"({dev.name}); plan for a catalog GPU with "
+                                        "device='H100-80GB' (see list_devices())")]
+        if self.probed and dev.kind == "cuda" and per_node > dev.count:
+            return [Problem("num_gpus", f"num_gpus={ranks} but this machine shows {dev.count} "
+                                        f"GPU(s) ({per_node} needed per node over {nodes} "
+                                        f"node(s)); use num_gpus<={dev.count * nodes} or more "
+                                        "nodes")]
+        if not self.probed and dev.kind == "cuda" and per_node > MAX_GPUS_PER_NODE:
+            return [Problem("num_nodes", f"num_gpus={ranks} on {nodes} node(s) is {per_node} "
+                                         f"{dev.name} per node; a node holds at most "
+                                         f"{MAX_GPUS_PER_NODE}: set num_nodes="
+                                         f"{-(-ranks // MAX_GPUS_PER_NODE)}")]
+        return []
+
+    def _batch_problems(self) -> list[Problem]:
+        """The target-batch rule: ranks divide the target, the micro-batch divides the per-rank
+        batch, and a pinned accumulation completes it exactly."""
+        target, ranks = self.target_batch_size, self.ranks
+        if not _positive_int(target):
+            return []
+        if target % ranks:
+            lo = target - target % ranks
+            valid = [v for v in (lo, lo + ranks) if v > 0]
+            return [Problem("target_batch_size",
+                            f"target_batch_size {target} is not divisible by {ranks} ranks; "
+                            f"nearest valid targets: "
+                            f"{', '.join(map(str, valid))}")]
+        return self._micro_batch_problems(self.per_rank)
+
+    def _micro_batch_problems(self, per_rank: int) -> list[Problem]:
+        pinned = "per_device_train_batch_size" in self.pins
+        mb = self.pins.get("per_device_train_batch_size", self.search.get("micro_batch"))
+        if not _positive_int(mb):
+            return []
+        key = "per_device_train_batch_size" if pinned else "micro_batch"
+        gpus = f"target_batch_size {self.target_batch_size} / {self.ranks} GPU(s)"
+        if per_rank % mb:
+            return [Problem(key, f"micro-batch {mb} does not divide the per-GPU batch {per_rank}"
+                                 f" ({gpus}); divisors: "
+                                 f"{', '.join(map(str, _divisors(per_rank)))}")]
+        accum = self.pins.get("gradient_accumulation_steps")
+        if _positive_int(accum) and mb * accum != per_rank:
+            return [Problem("gradient_accumulation_steps",
+                            f"micro-batch {mb} x accumulation {accum} x {self.ranks} GPU(s) = "
+                            f"{mb * accum * self.ranks}, not target_batch_size "
+                            f"{self.target_batch_size}; drop the accumulation pin (the plan "
+                            f"derives it) or set it to {per_rank // mb}")]
+        return []
+
+
+def host_ram() -> int | None:
+    """This machine's RAM (``MemTotal``), or None where /proc is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

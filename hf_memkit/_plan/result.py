@@ -1,0 +1,180 @@
+"""``Plan``: the chosen setup, every candidate considered, and how to apply it."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._device import DeviceInfo
+from .._engines import ENGINES, launch_commands
+from .._errors import HfMemkitError
+from .._estimate import MemoryEstimate
+from .._methods import METHODS
+from .._setup import training_args_fields
+from .._techniques import TECHNIQUES
+from .._techniques.checkpointing import NAME as CHECKPOINTING
+from .._units import format_bytes
+from . import serialize as ser
+from .space import Candidate
+
+# TrainingArguments fields whose override re-estimates the plan.
+MEMORY_FIELDS = frozenset({
+    "per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16", "optim",
+    "optim_args", "fsdp", "fsdp_config", "deepspeed",
+    *(f for t in TECHNIQUES for f in t.fields)})
+
+
+@dataclass
+class Plan:
+    """The chosen setup, every candidate considered, and how to apply it."""
+
+    device: DeviceInfo
+    model_name: str
+    seq_len: int
+    target_batch_size: int
+    num_gpus: int
+    method: str
+    budget: int
+    training_args_kwargs: dict[str, Any]
+    model_kwargs: dict[str, Any]
+    peft_config: Any
+    accelerator_kwargs: dict[str, Any]
+    candidates: list[Candidate]
+    notes: list[str] = field(default_factory=list)
+    num_nodes: int = 1
+    parallel: dict[str, Any] = field(default_factory=dict)  # engine, strategy, launch details
+
+    @property
+    def chosen(self) -> Candidate:
+        return next(c for c in self.candidates if c.chosen)
+
+    @property
+    def estimate(self) -> MemoryEstimate | None:
+        return self.chosen.estimate
+
+    # -- using it ---------------------------------------------------------------------------
+    def to_training_args(self, **overrides: Any):
+        """``TrainingArguments`` of the plan (build it on the target machine). An override that
+        changes memory is re-estimated; if the result no longer fits, a warning shows it."""
+        from transformers import TrainingArguments
+
+        kwargs = dict(self.training_args_kwargs)
+        kwargs.setdefault("output_dir", overrides.pop("output_dir", "hf_memkit_output"))
+        kwargs.update(overrides)
+        if MEMORY_FIELDS & set(overrides) and self.chosen.estimate is not None:
+            self._warn_if_override_does_not_fit(kwargs)
+        return TrainingArguments(**kwargs)
+
+    def _warn_if_override_does_not_fit(self, kwargs: dict[str, Any]) -> None:
+        from .._estimate import estimate_memory
+
+        fields = training_args_fields()
+        args = {k: v for k, v in kwargs.items() if k in fields and k != "output_dir"}
+        try:
+            est = estimate_memory(self.model_name, args, seq_len=self.seq_len, device=self.device,
+                                  num_gpus=self.num_gpus if self.num_gpus > 1 else None,
+                                  **ser.estimate_kwargs(self.model_kwargs, self.peft_config))
+        except Exception as exc:  # an override the estimator rejects: say so, do not block
+            warnings.warn(f"could not re-estimate the overridden plan: {exc}", stacklevel=3)
+            return
+        if est.device_used > self.budget:
+            warnings.warn(
+                f"with these overrides the setup needs {format_bytes(est.device_used)}, over the "
+                f"budget of {format_bytes(self.budget)} on {self.device.name}:\n{est.explain()}",
+                stacklevel=3)
+
+    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Apply the plan to a loaded model: attention kernel, the method (k-bit preparation,
+        LoRA) and the searched techniques (checkpointing: non-reentrant, safe with PEFT)."""
+        attn = self.model_kwargs.get("attn_implementation")
+        if attn and hasattr(model, "set_attn_implementation"):
+            try:
+                model.set_attn_implementation(attn)
+            except Exception as exc:  # the loaded model may not support it: keep its own
+                warnings.warn(f"kept the model's attention ({exc})", stacklevel=2)
+        engine = ENGINES.get(self.parallel.get("engine", "none"))
+        # an engine that owns checkpointing (FSDP: fsdp_config) applies it when it wraps
+        owned = {CHECKPOINTING} if engine.owns_checkpointing else set()
+        ckpt = self.chosen.checkpointing and CHECKPOINTING not in owned
+        model = METHODS.get(self.chosen.method).prepare(model, self.peft_config, ckpt)
+        for name in self.chosen.techniques:
+            t = TECHNIQUES.get(name)
+            if t.prepare is not None and name not in owned:
+                model = t.prepare(model)
+        return model
+
+    def launch_commands(self, script: str = "train.py") -> dict[str, str]:
+        """``accelerate launch`` and ``torchrun`` command lines for this plan's GPUs and nodes.
+        (With DeepSpeed, write the config first: ``write_deepspeed_config``.)"""
+        engine = self.parallel.get("engine", "none")
+        return launch_commands(script=script, num_gpus=self.num_gpus, num_nodes=self.num_nodes,
+                               engine=engine, config_file="ds_config.json"
+                               if engine == "deepspeed" else None)
+
+    def write_deepspeed_config(self, path: str | os.PathLike = "ds_config.json") -> str:
+        """Write the plan's DeepSpeed config as JSON (pass it as ``deepspeed=path`` too)."""
+        cfg = self.training_args_kwargs.get("deepspeed")
+        if not isinstance(cfg, dict):
+            raise HfMemkitError(f"this plan uses {self.parallel.get('label', 'no DeepSpeed')}; "
+                                "plan with engine='deepspeed' for a DeepSpeed config")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(cfg, f, indent=2)
+        return str(path)
+
+    # -- reading it ---------------------------------------------------------------------------
+    def explain(self) -> str:
+        from .._render import plan_tables, render_to_text
+
+        return render_to_text(*plan_tables(self))
+
+    def __str__(self) -> str:
+        return self.explain()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device.to_dict(), "model_name": ser.model_ref_to_json(self.model_name),
+            "seq_len": self.seq_len,
+            "target_batch_size": self.target_batch_size, "num_gpus": self.num_gpus,
+            "method": self.method, "budget": self.budget,
+            "training_args_kwargs": self.training_args_kwargs,
+            "model_kwargs": ser.model_kwargs_to_json(self.model_kwargs),
+            "peft_config": ser.peft_to_dict(self.peft_config),
+            "accelerator_kwargs": self.accelerator_kwargs,
+            "candidates": [c.to_dict() for c in self.candidates], "notes": list(self.notes),
+            "num_nodes": self.num_nodes, "parallel": self.parallel,
+        }
+
+    def to_json(self, **kw: Any) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        cands = []
+        for c in d["candidates"]:
+            c = dict(c)
+            est = c.pop("estimate", None)
+            c["techniques"] = tuple(c.get("techniques", ()))
+            cand = Candidate(**c)
+            if est is not None:
+                cand.estimate = MemoryEstimate.from_dict(est)
+            cands.append(cand)
+        return cls(
+            device=DeviceInfo.from_dict(d["device"]),
+            model_name=ser.model_ref_from_json(d["model_name"]),
+            seq_len=d["seq_len"], target_batch_size=d["target_batch_size"],
+            num_gpus=d["num_gpus"], method=d["method"], budget=d["budget"],
+            training_args_kwargs=dict(d["training_args_kwargs"]),
+            model_kwargs=ser.model_kwargs_from_json(d["model_kwargs"]),
+            peft_config=ser.peft_from_dict(d["peft_config"]),
+            accelerator_kwargs=dict(d["accelerator_kwargs"]), candidates=cands,
+            notes=list(d.get("notes", [])), num_nodes=d.get("num_nodes", 1),
+            parallel=dict(d.get("parallel", {})))
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,176 @@
+"""Find the fastest candidate that fits: price every candidate, reject what cannot fit on cheap
+lower bounds (model states alone; traces extrapolated in the micro-batch), and trace exactly
+before accepting.
+
+Candidates are estimated in order of method preference (the ladder), then tier (DDP or sharding,
+then offload as the last rung), then predicted speed; a method stops at its fastest fit.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+from .._engines import ENGINES, Sharding, StateSizes, rank_states
+from .._errors import HfMemkitError
+from .._estimate import MemoryEstimate, TraceCache, estimate_for
+from .._methods import Method
+from .._optimizers import OptimizerContext, get_optimizer_profile
+from .._setup import TrainingSetup, normalize_args
+from .._units import format_bytes
+from .cost import Shape, cost
+from .emit import ArgsContext, training_args
+from .request import PlanRequest
+from .space import Candidate, SpecBook, rung_of
+
+
+def _group(c: Candidate) -> tuple:
+    """What a candidate is apart from its micro-batch split."""
+    return (c.method, c.precision, c.optim, c.techniques, c.parallel, c.attn)
+
+
+@dataclass
+class Search:
+    req: PlanRequest
+    book: SpecBook
+    ctx: ArgsContext
+    shape: Shape
+    methods: list[Method]
+    budget: int
+    host_budget: int | None
+    notes: list[str] = field(default_factory=list)
+    cache: TraceCache = field(default_factory=TraceCache)
+    _shardings: dict[tuple, Sharding] = field(default_factory=dict)
+    _smallest: dict[tuple, Candidate] = field(default_factory=dict)
+
+    def setup_of(self, c: Candidate, eval_batch: int | None = None) -> TrainingSetup:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return normalize_args(training_args(c, self.ctx, eval_batch), source="plan",
+                                  num_gpus=self.req.ranks)
+
+    def estimate(self, c: Candidate, *, exact: bool = True, stage: str = "train",
+                 setup: TrainingSetup | None = None) -> MemoryEstimate:
+        spec = self.book.get(c.method, c.precision)[0]
+        return estimate_for(spec, setup or self.setup_of(c), self.req.dev,
+                            seq_len=self.req.seq_len, stage=stage, cache=self.cache, exact=exact)
+
+    # -- pricing and the cheap bound ----------------------------------------------------------
+    def _sharding(self, c: Candidate) -> Sharding:
+        key = (c.parallel, c.precision, c.grad_accum > 1)
+        if key not in self._shardings:
+            self._shardings[key] = self.setup_of(c).sharding
+        return self._shardings[key]
+
+    def price(self, c: Candidate) -> None:
+        """Set ``rel_time`` (not yet relative) and reject on model states alone."""
+        spec = self.book.get(c.method, c.precision)[0]
+        weights, trainable = spec.states()
+        n_trainable = sum(p.numel for p in trainable)
+        om = get_optimizer_profile(c.optim).estimate(trainable,
+                                                     OptimizerContext(self.req.dev.kind))
+        sh = self._sharding(c)
+        sizes = StateSizes(weights, sum(p.nbytes for p in trainable), n_trainable, om.state, 0,
+                           spec.dtype.itemsize)
+        facts = spec.facts() if ENGINES.get(sh.engine).sharded else None
+        rs = rank_states(sh, sizes, facts=facts, device_kind=self.req.dev.kind)
+        c.rel_time = cost(c, self.shape, n_trainable=n_trainable, dev=self.req.dev, sharding=sh)
+        per_node = rs.host * (self.req.ranks // self.req.nodes)
+        if self.host_budget is not None and per_node > self.host_budget:
+            c.reason = (f"offload needs {format_bytes(per_node)} of host RAM per node > "
+                        f"{format_bytes(self.host_budget)}")
+        elif rs.model_states + rs.buckets > self.budget:
+            c.reason = (f"weights + gradients + optimizer state alone need "
+                        f"{format_bytes(rs.model_states + rs.buckets)} > budget "
+                        f"{format_bytes(self.budget)}")
+
+    # -- the search ---------------------------------------------------------------------------
+    def _try(self, c: Candidate) -> bool:
+        setup = self.setup_of(c)
+        est = self.estimate(c, exact=False, setup=setup)
+        if est.lower_bound and est.device_used <= self.budget:  # verify before accepting
+            est = self.estimate(c, setup=setup)
+        c.estimate, c.device_used, c.peak_allocated = est, est.device_used, est.peak_allocated
+        host = est.host_offloaded * (self.req.ranks // self.req.nodes)
+        c.fits = est.device_used <= self.budget and (self.host_budget is None
+                                                     or host <= self.host_budget)
+        if not c.fits:
+            at_least = "at least " if est.lower_bound else ""
+            c.reason = (f"needs {at_least}{format_bytes(est.device_used)} > budget "
+                        f"{format_bytes(self.budget)}" if est.device_used > self.budget else
+                        f"offload needs {format_bytes(host)} of host RAM per node > "
+                        f"{format_bytes(self.host_budget)}")
+        return c.fits
+
+    def _smallest_fits(self, c: Candidate) -> bool:
+        """Memory grows with the micro-batch: when the smallest micro-batch of ``c``'s setup
+        does not fit (estimated exactly: one trace shared by the whole group), no larger one
+        does, and ``c`` is rejected without a trace of its own."""
+        small = self._smallest[_group(c)]
+        if small is c:
+            return True
+        if small.estimate is None:
+            self._try(small)
+        if not small.fits:
+            c.reason = (f"a smaller micro-batch ({small.micro_batch}) already does not fit: "
+                        f"{small.reason}")
+        return small.fits
+
+    def run(self, candidates: list[Candidate]) -> Candidate:
+        for c in candidates:
+            self.price(c)
+            g = _group(c)
+            if g not in self._smallest or c.micro_batch < self._smallest[g].micro_batch:
+                self._smallest[g] = c
+        for meth in self.methods:
+            for tier in (0, 1):
+                pool = sorted((c for c in candidates if c.method == meth.name and not c.reason
+                               and rung_of(c.parallel).tier == tier), key=lambda c: c.rel_time)
+                chosen = next((c for c in pool if not c.reason and self._smallest_fits(c)
+                               and self._try(c)), None)
+                if chosen is not None:
+                    return chosen
+            if meth.name == "full" and self.req.method == "auto" and len(self.methods) > 1:
+                self.notes.append("no full fine-tuning setup fits; falling back to LoRA, which "
+                                  "trains adapters instead of all weights")
+        self.raise_impossible(candidates)
+        raise AssertionError("unreachable")
+
+    def eval_batch(self, chosen: Candidate) -> int:
+        """The largest power of two (<= 4 x the micro-batch) whose eval step fits, traced
+        exactly from the top down (a trace on fake tensors costs the same at any batch, and the
+        largest usually fits: one trace)."""
+        setup = self.setup_of(chosen)
+        b = 1 << (4 * chosen.micro_batch).bit_length() - 1
+        while b > 1 and self.estimate(chosen, stage="eval", setup=setup.replace(
+                eval_batch=b)).device_used > self.budget:
+            b //= 2
+        return b
+
+    def raise_impossible(self, candidates: list[Candidate]) -> None:
+        """Say the smallest memory any setup needs, and which setup that is."""
+        best = None
+        for c in candidates:
+            if c.micro_batch != 1 and c.estimate is None:
+                continue
+            if c.estimate is None:
+                try:
+                    c.estimate = self.estimate(c)
+                except HfMemkitError:
+                    continue
+                c.device_used = c.estimate.device_used
+            if best is None or c.device_used < best.device_used:
+                best = c
+        if best is None:
+            raise HfMemkitError("no setup could be estimated for this model")
+        dev, budget, seq_len = self.req.dev, self.budget, self.req.seq_len
+        qlora = "" if "qlora" in {c.method for c in candidates} else ", method='qlora'"
+        if best.reason.startswith("offload needs") and best.device_used <= budget:
+            raise HfMemkitError(
+                f"the only setups that fit {dev.name} offload to CPU RAM, and {best.label()} "
+                f"{best.reason[len('offload '):]}; give host_memory= if the nodes have more RAM, "
+                f"or use more GPUs, a shorter seq_len{qlora}")
+        raise HfMemkitError(
+            f"needs at least {format_bytes(best.device_used)} with {best.label()} at seq "
+            f"{seq_len}; {dev.name} has {format_bytes(budget)} usable; try a shorter "
+            f"seq_len{qlora}, more GPUs or a larger GPU")

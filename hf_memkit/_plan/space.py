@@ -1,0 +1,198 @@
+"""The search space: every candidate setup (method x data-parallel rung x precision x optimizer x
+searched techniques x micro-batch), the model spec of each, and their attention kernel."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._compat import is_flash_attn_available
+from .._device import DeviceInfo
+from .._engines import Rung, all_rungs
+from .._errors import HfMemkitError
+from .._estimate import MemoryEstimate
+from .._methods import Method
+from .._model.spec import ModelSpec, resolve_model
+from .._optimizers import get_optimizer_profile, planner_optimizers
+from .._techniques import TECHNIQUES, Technique, searched
+from .._techniques.checkpointing import NAME as CHECKPOINTING
+from .request import PlanRequest
+
+SINGLE = Rung("single", "1 GPU", "none")
+PINNED = Rung("pinned", "pinned engine", "none")  # the user's own fsdp / deepspeed pins
+
+
+def rung_of(name: str) -> Rung:
+    return {"single": SINGLE, "pinned": PINNED}.get(name) or all_rungs()[name]
+
+
+@dataclass
+class Candidate:
+    """One setup the planner considered."""
+
+    method: str                      # full | lora | lora-8bit | qlora (_methods)
+    precision: str                   # bf16 | fp16 | fp32 (AMP) | pure-bf16
+    optim: str
+    checkpointing: bool
+    micro_batch: int
+    grad_accum: int
+    attn: str
+    rel_time: float                  # predicted time per sample, relative to the chosen one
+    device_used: int | None = None   # None: not estimated (see reason)
+    peak_allocated: int | None = None
+    fits: bool = False
+    chosen: bool = False
+    reason: str = ""
+    estimate: MemoryEstimate | None = field(default=None, repr=False)
+    parallel: str = "single"         # a Rung name: single | pinned | ddp | fsdp-* | zero*
+    techniques: tuple[str, ...] = ()  # searched techniques that are on (_techniques)
+
+    def __post_init__(self) -> None:
+        if self.checkpointing and CHECKPOINTING not in self.techniques:
+            self.techniques = tuple(sorted((*self.techniques, CHECKPOINTING)))
+        self.techniques = tuple(self.techniques)
+
+    def label(self) -> str:
+        parts = [self.method, self.precision, self.optim]
+        if self.parallel != "single":
+            parts.insert(0, rung_of(self.parallel).label)
+        parts += [TECHNIQUES.get(t).display for t in self.techniques]
+        parts.append(f"micro-batch {self.micro_batch} x {self.grad_accum}")
+        return ", ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "estimate"}
+        d["techniques"] = list(self.techniques)
+        d["estimate"] = self.estimate.to_dict() if self.estimate else None
+        return d
+
+
+def precisions(dev: DeviceInfo, pins: dict[str, Any]) -> list[str]:
+    if "bf16" in pins or "fp16" in pins:
+        return ["bf16" if pins.get("bf16") else "fp16" if pins.get("fp16") else "fp32"]
+    if dev.kind == "cuda":
+        if dev.supports_bf16:
+            return ["bf16", "pure-bf16"]
+        if dev.supports_fp16_tensor_cores:
+            return ["fp16"]
+        return ["fp32"]
+    return ["fp32"]  # CPU/MPS: AMP rarely speeds up and bf16 is emulated on most CPUs
+
+
+def attention(spec: ModelSpec, dev: DeviceInfo, precision: str) -> tuple[str, str]:
+    """The attention kernel of a setup, and why."""
+    cls = spec.model_cls
+    if (getattr(cls, "_supports_flash_attn", False) and is_flash_attn_available()
+            and dev.kind == "cuda" and dev.compute_capability and dev.compute_capability >= (8, 0)
+            and precision in ("bf16", "fp16", "pure-bf16")):
+        return "flash_attention_2", "flash-attn is installed and this GPU supports it"
+    if getattr(cls, "_supports_sdpa", False):
+        why = "torch SDPA (flash/memory-efficient kernels)"
+        if dev.kind == "cuda" and not is_flash_attn_available():
+            why += "; flash_attention_2 not installed"
+        return "sdpa", why
+    try:
+        import optimum.bettertransformer  # noqa: F401  (optimum < 2 only)
+
+        return "eager", "model has no native SDPA; optimum's BetterTransformer is installed but " \
+                        "not applied automatically"
+    except ImportError:
+        return "eager", "model has no native SDPA kernel; optimum 2.x has no BetterTransformer"
+
+
+class SpecBook:
+    """The model spec (and its LoRA / quantization configs) of each (method, precision)."""
+
+    def __init__(self, req: PlanRequest, methods: dict[str, Method]):
+        self.req, self.methods = req, methods
+        self.base = resolve_model(req.model, task=req.task)
+        self._specs: dict[tuple[str, str], tuple[ModelSpec, Any, Any]] = {}
+        self._meta: dict = {}
+
+    def get(self, method: str, precision: str) -> tuple[ModelSpec, Any, Any]:
+        key = (method, precision)
+        if key not in self._specs:
+            m, dev = self.methods[method], self.req.dev
+            peft_cfg = m.peft_config(self.base.task) if m.adapters else None
+            quant = m.quantization_config(dev)
+            spec = resolve_model(self.req.model, task=self.req.task,
+                                 dtype=m.load_dtype(precision, dev),
+                                 attn_implementation=attention(self.base, dev, precision)[0],
+                                 peft_config=peft_cfg, quantization_config=quant,
+                                 meta_cache=self._meta)
+            self._specs[key] = (spec, peft_cfg, quant)
+        return self._specs[key]
+
+
+def technique_choices(req: PlanRequest, model_cls: type,
+                      notes: list[str]) -> list[tuple[Technique, list[bool]]]:
+    """Each searched technique with the values to try: the pin, or off and on when the model
+    supports it."""
+    out = []
+    for t in searched():
+        supported = t.supported(model_cls)
+        if not supported:
+            notes.append(f"{model_cls.__name__} does not support {t.sentence_name}; the plan "
+                         "never enables it")
+        if any(f in req.pins for f in t.fields):
+            on = t.read(req.pins, req.pins.get) is not None
+            if on and not supported:
+                raise HfMemkitError(f"{model_cls.__name__} does not support {t.sentence_name}; "
+                                    f"drop the {t.fields[0]} pin")
+            out.append((t, [on]))
+        else:
+            out.append((t, [False, True] if supported else [False]))
+    return out
+
+
+def strategies(req: PlanRequest, method: Method) -> list[Rung]:
+    """The data-parallel rungs ``method`` may use: DDP, then the engine's sharding rungs."""
+    if any(req.pins.get(k) for k in ("fsdp", "deepspeed")):
+        return [PINNED]
+    if req.ranks == 1:
+        return [SINGLE]
+    rungs = all_rungs()
+    engine = "fsdp" if req.engine == "auto" else req.engine
+    names = ["ddp"] + ([] if engine == "ddp" else [r.name for r in rungs.values()
+                                                   if r.engine == engine])
+    return [rungs[n] for n in names if method.allows_rung(rungs[n])]
+
+
+def optimizers(req: PlanRequest) -> list[str]:
+    if "optim" in req.pins:
+        return [req.pins["optim"]]
+    return planner_optimizers(req.dev.kind)
+
+
+def _rung_precision_optim(req: PlanRequest, meth: Method) -> Iterator[tuple[Rung, str, str]]:
+    opts = optimizers(req)
+    for rung in strategies(req, meth):
+        for precision in precisions(req.dev, req.pins):
+            if not meth.allows_precision(precision) or (
+                    rung.precisions and precision not in rung.precisions):
+                continue
+            for optim in opts:
+                if rung.engine not in ("none", "ddp") and "optim" not in req.pins and \
+                        not get_optimizer_profile(optim).shardable:
+                    continue  # sharded/offloaded states: torch AdamW (DTensor, DeepSpeed)
+                yield rung, precision, optim
+
+
+def candidates(req: PlanRequest, methods: list[Method], book: SpecBook,
+               notes: list[str]) -> list[Candidate]:
+    """Every setup of the search, not yet priced or estimated."""
+    choices = technique_choices(req, book.base.model_cls, notes)
+    combos = [tuple(sorted(t.name for (t, _), v in zip(choices, combo, strict=True) if v))
+              for combo in itertools.product(*(vals for _, vals in choices))]
+    out = []
+    for meth in methods:
+        for rung, precision, optim in _rung_precision_optim(req, meth):
+            attn = attention(book.base, req.dev, precision)[0]
+            for on in combos:
+                out += [Candidate(meth.name, precision, optim, CHECKPOINTING in on, mb,
+                                  req.per_rank // mb, attn, 0.0, parallel=rung.name,
+                                  techniques=on) for mb in req.micro_batches()]
+    return out

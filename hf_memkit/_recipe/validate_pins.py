@@ -1,0 +1,60 @@
+"""``pins``: TrainingArguments fields a recipe (or the command line) sets; ``check_pins`` keeps the
+known ones and reports the rest to a ``Checker``."""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from .._errors import ConfigError, did_you_mean
+from .schema import FIELDS, leaf_key
+
+if TYPE_CHECKING:
+    from .validate import Checker
+
+# Keys a recipe owns itself; pinning them is a mistake with a better spelling.
+_OWNED_PINS = {"output_dir": "output_dir"}
+
+
+def check_pins(pins: dict[str, Any], c: Checker, *, dev: Any) -> dict[str, Any]:
+    """The known ``TrainingArguments`` pins of ``pins``; every problem goes to ``c``: unknown
+    fields, values ``TrainingArguments`` rejects and precision the device lacks. (A micro-batch
+    or accumulation that does not fit the target batch: ``PlanRequest``.)"""
+    from .._setup import normalize_args, training_args_fields
+
+    fields = training_args_fields()
+    known = {}
+    for k, v in pins.items():
+        k = str(k)
+        if k in _OWNED_PINS:
+            c.add(f"pins.{k}", f"set it as the top-level `{_OWNED_PINS[k]}` key instead")
+        elif k not in fields:
+            hint = did_you_mean(k, fields)
+            if not hint and k in {key.split(".")[-1] for key in FIELDS}:
+                hint = f" (did you mean the recipe key `{leaf_key(k)}`?)"
+            c.add(f"pins.{k}", f"not a TrainingArguments field{hint}")
+        else:
+            known[k] = v
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            normalize_args(known, source="pins")
+        except ConfigError as exc:
+            for p in exc.problems:
+                c.add("pins", p)
+    if dev is not None:
+        _check_pinned_precision(known, c, dev)
+    return known
+
+
+def _check_pinned_precision(known: dict[str, Any], c: Checker, dev: Any) -> None:
+    if known.get("bf16") and not dev.supports_bf16 and dev.kind != "cpu":
+        c.add("pins.bf16", f"{dev.name} has no bf16 support (compute capability "
+                           f"{'.'.join(map(str, dev.compute_capability or ()))}); use fp16: "
+                           "true or drop the pin")
+    if known.get("fp16") and dev.kind == "cpu":
+        c.add("pins.fp16", "fp16 mixed precision needs a CUDA GPU; on 'cpu' drop it (or "
+                           "use bf16: true)")
+    if known.get("tf32") and not dev.supports_tf32:
+        c.add("pins.tf32", f"{dev.name} has no TF32 (needs an Ampere or newer GPU); drop "
+                           "the pin")

@@ -1,0 +1,112 @@
+"""The memory-technique registry: one ``Technique`` per setting that changes a step's memory.
+
+A technique is switched on by ``TrainingArguments`` fields (``fields``); ``read`` turns the
+arguments into the technique's options (None: off). A ``TrainingSetup`` carries the techniques
+that are on as a set of ``TechniqueUse`` (name + options), and the trace cache key is derived
+from the setup, so a new technique is part of the key by construction.
+
+Per entry:
+  * ``modelled``: False -> a warning names it and the estimate says it is ignored;
+  * ``trace_hook(model, options, stage=..., adapters=...)``: applied to the fake model before a
+    traced step (e.g. checkpointing wraps the layers);
+  * ``host_bytes``: bytes it keeps in host memory for a step (0 when None);
+  * ``extra_flops(n_params, attn_flops)``: compute it adds per token (the planner's cost model);
+  * ``searched``: the planner tries it on and off; ``emit(on)`` gives the TrainingArguments
+    fields for that, ``prepare(model)`` applies it in ``Plan.prepare``, ``supported(model_cls)``
+    says whether the model can use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from .._registry import Registry
+
+
+class TechniqueUse(NamedTuple):
+    """A technique that is on, with its options as sorted ``(key, value)`` pairs (hashable)."""
+
+    name: str
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def option(self, key: str, default: Any = None) -> Any:
+        return dict(self.options).get(key, default)
+
+    @classmethod
+    def of(cls, name: str, options: Mapping[str, Any] | None = None) -> TechniqueUse:
+        return cls(name, tuple(sorted((str(k), _frozen(v)) for k, v in (options or {}).items())))
+
+
+def _frozen(v: Any) -> Any:
+    if isinstance(v, dict):
+        return tuple(sorted((str(k), _frozen(x)) for k, x in v.items()))
+    if isinstance(v, (list, set)):
+        return tuple(_frozen(x) for x in v)
+    return v
+
+
+Reader = Callable[[Mapping[str, Any], Callable[[str], Any]], "Mapping[str, Any] | None"]
+
+
+@dataclass(frozen=True)
+class Technique:
+    name: str
+    fields: tuple[str, ...]
+    read: Reader                          # (explicit args, get-with-defaults) -> options | None
+    what: str                             # what it changes, for notes and warnings
+    modelled: bool = True
+    label: str | None = None              # in warnings and candidate labels (default: name)
+    title: str | None = None              # in sentences (default: label)
+    trace_hook: Callable[..., None] | None = None
+    host_bytes: Callable[..., int] | None = None
+    extra_flops: Callable[[int, float], float] | None = None
+    searched: bool = False
+    emit: Callable[[bool, Mapping[str, Any]], dict[str, Any]] | None = None
+    prepare: Callable[[Any], Any] | None = None
+    supported: Callable[[type], bool] = field(default=lambda cls: True)
+
+    @property
+    def display(self) -> str:
+        return self.label or self.name
+
+    @property
+    def sentence_name(self) -> str:
+        return self.title or self.display
+
+
+TECHNIQUES: Registry[Technique] = Registry("memory technique")
+
+
+def register(t: Technique) -> Technique:
+    return TECHNIQUES.register(t)
+
+
+def read_techniques(explicit: Mapping[str, Any],
+                    get: Callable[[str], Any]) -> frozenset[TechniqueUse]:
+    """The techniques the arguments switch on."""
+    out = set()
+    for t in TECHNIQUES:
+        opts = t.read(explicit, get)
+        if opts is not None:
+            out.add(TechniqueUse.of(t.name, opts))
+    return frozenset(out)
+
+
+def unmodelled(uses: Iterable[TechniqueUse]) -> list[str]:
+    """``"label: what"`` for every technique in ``uses`` the estimator does not model."""
+    names = {u.name for u in uses}
+    return [f"{t.display}: {t.what}" for t in TECHNIQUES if t.name in names and not t.modelled]
+
+
+def searched() -> list[Technique]:
+    return [t for t in TECHNIQUES if t.searched]
+
+
+def flag(field_name: str) -> Reader:
+    """A technique switched on by one truthy TrainingArguments field (its value is the option)."""
+    def read(explicit: Mapping[str, Any], get: Callable[[str], Any]) -> Mapping[str, Any] | None:
+        v = get(field_name)
+        return {"value": v} if v else None
+    return read

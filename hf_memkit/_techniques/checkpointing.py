@@ -1,0 +1,78 @@
+"""Activation (gradient) checkpointing: keep only each layer's input, recompute in backward.
+
+Switched on by ``activation_checkpointing`` (transformers 5) or the older
+``gradient_checkpointing``; the new name wins when set, as ``TrainingArguments.__post_init__``
+does (DESIGN.md). Traced by wrapping the fake model's layers exactly as the Trainer does;
+recomputing the forward costs 2N FLOPs per token plus a third of the attention's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .base import Technique, register
+
+NAME = "activation_checkpointing"
+
+
+def resolve_checkpointing(d: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
+    """(on, kwargs) from explicitly given fields: the new name wins when set."""
+    new, old = d.get("activation_checkpointing"), d.get("gradient_checkpointing")
+    on = bool(new) if new is not None else bool(old)
+    kw_new, kw_old = d.get("activation_checkpointing_kwargs"), d.get("gradient_checkpointing_kwargs")
+    kwargs = kw_new if kw_new is not None else kw_old
+    return on, dict(kwargs or {})
+
+
+def _read(explicit: Mapping[str, Any], get: Callable[[str], Any]) -> dict[str, Any] | None:
+    on, kwargs = resolve_checkpointing(explicit)
+    if not on:
+        return None
+    return {"use_reentrant": bool(kwargs.get("use_reentrant", False)),
+            "every_n_layers": int(kwargs.get("every_n_layers", 1) or 1),
+            "offload": bool(kwargs.get("offload", False))}
+
+
+def _trace_hook(model: Any, options: Mapping[str, Any], *, stage: str, adapters: bool) -> None:
+    if stage != "train":
+        return
+    from .._trace import enable_checkpointing
+
+    reentrant = bool(options.get("use_reentrant", False))
+    enable_checkpointing(model, {"use_reentrant": reentrant})
+    if reentrant or adapters:
+        model.enable_input_require_grads()  # as the Trainer does for PEFT / reentrant
+
+
+def field_name() -> str:
+    from .._setup import training_args_fields
+
+    return NAME if NAME in training_args_fields() else "gradient_checkpointing"
+
+
+def _emit(on: bool, pins: Mapping[str, Any]) -> dict[str, Any]:
+    """Non-reentrant (safe with PEFT) unless the user pinned checkpointing kwargs."""
+    f = field_name()
+    out: dict[str, Any] = {f: on}
+    if on:
+        out[f + "_kwargs"] = {"use_reentrant": False, **resolve_checkpointing(pins)[1]}
+    return out
+
+
+def _prepare(model: Any) -> Any:
+    from .._trace import enable_checkpointing
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    enable_checkpointing(base, {"use_reentrant": False})
+    return model
+
+
+register(Technique(
+    NAME, fields=("activation_checkpointing", "gradient_checkpointing",
+                  "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"),
+    read=_read, what="recomputes each layer's forward in backward; keeps only layer inputs",
+    label="checkpointing", title="gradient checkpointing", trace_hook=_trace_hook,
+    extra_flops=lambda n_params, attn_flops: 2 * n_params + attn_flops / 3,
+    searched=True, emit=_emit, prepare=_prepare,
+    supported=lambda cls: bool(getattr(cls, "supports_gradient_checkpointing", False))))

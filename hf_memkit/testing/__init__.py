@@ -1,0 +1,10 @@
+"""Measurement harnesses used by the tests and benchmarks, not the product API.
+
+* :mod:`.groundtruth`: the independent CPU ground truth, a real ``transformers.Trainer`` run's
+  peak tensor memory measured in a child process (``measure_trainer_peak``);
+* :mod:`.groundtruth_dist`: the same per rank for 2-process DDP / FSDP2 / DeepSpeed runs on CPU
+  under torchrun (``measure_distributed_peak``; ranks run :mod:`._dist_worker`);
+* :mod:`.simulate`: a simulated device-memory budget on CPU (``SimulatedMemoryBudget``).
+
+Nothing is imported here: import the submodule you need (``simulate`` imports torch).
+"""
