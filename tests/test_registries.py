@@ -39,7 +39,8 @@ def dummy_technique():
     t = register(Technique(
         "dummy_keep_extra", fields=("disable_tqdm",),
         read=lambda explicit, get: {"on": True} if explicit.get("disable_tqdm") else None,
-        what="keeps an extra 1 MiB tensor alive", trace_hook=_keep_extra))
+        what="keeps an extra 1 MiB tensor alive", trace_hook=_keep_extra,
+        host_bytes=lambda spec, setup, seq_len, options: 7 * seq_len))
     yield t
     TECHNIQUES.unregister(t.name)
 
@@ -61,6 +62,7 @@ def test_a_new_technique_gets_its_own_trace_cache_entry(dummy_technique):
     assert b.peak_allocated - a.peak_allocated == 4 * EXTRA
     fresh = estimate_for(spec, with_dummy, dev, seq_len=32)   # no cache at all
     assert fresh.peak_allocated == b.peak_allocated
+    assert (a.host_offloaded, b.host_offloaded) == (0, 7 * 32)  # its host bytes are reported
 
 
 def test_settings_that_do_not_change_the_trace_share_it():

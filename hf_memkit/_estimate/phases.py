@@ -25,8 +25,10 @@ from .._device import DeviceInfo
 from .._engines import ENGINES, RankStates, StateSizes, rank_states
 from .._errors import HfMemkitError
 from .._model.spec import ModelSpec
+from .._model.tasks import TASKS
 from .._optimizers import OptimizerContext, OptimizerMemory, get_optimizer_profile
 from .._setup import TrainingSetup
+from .._techniques import TECHNIQUES
 from .._units import format_bytes
 from .activations import Excess, TraceCache, trace_excess
 from .result import MemoryEstimate
@@ -38,7 +40,6 @@ CPU_REL_SIGMA = 0.005
 TRACE_PHASE = {"forward": "forward", "backward": "backward", "eval forward": "eval",
                "forward (accumulating)": "forward_accum",
                "backward (accumulating)": "backward_accum"}
-EVAL_VOCAB_TASKS = ("causal-lm", "seq2seq-lm", "masked-lm")
 
 
 def check_setup(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, seq_len: int) -> list[str]:
@@ -93,6 +94,16 @@ def _state_notes(setup: TrainingSetup, rs: RankStates, om: OptimizerMemory,
         notes.append(f"{format_bytes(om.paged)} of paged optimizer state lives in CUDA managed "
                      "memory (outside max_memory_allocated; NVML counts it while resident)")
     return notes
+
+
+def technique_host_bytes(spec: ModelSpec, setup: TrainingSetup, seq_len: int) -> int:
+    """Host memory the setup's techniques keep for a step (``Technique.host_bytes``)."""
+    total = 0
+    for use in setup.techniques:
+        t = TECHNIQUES.get(use.name)
+        if t.host_bytes is not None:
+            total += int(t.host_bytes(spec, setup, seq_len, dict(use.options)))
+    return total
 
 
 def trace_variant(spec: ModelSpec, setup: TrainingSetup) -> tuple[ModelSpec, TrainingSetup]:
@@ -157,7 +168,7 @@ def _step(spec: ModelSpec, trace_spec: ModelSpec, setup: TrainingSetup, ex: Exce
 def _eval_logits_note(spec: ModelSpec, setup: TrainingSetup, seq_len: int,
                       target_len: int | None) -> list[str]:
     vocab = getattr(spec.config.get_text_config(), "vocab_size", None)
-    if setup.prediction_loss_only or not vocab or spec.task not in EVAL_VOCAB_TASKS:
+    if setup.prediction_loss_only or not vocab or not TASKS.get(spec.task).vocab_logits:
         return []
     per_step = setup.eval_batch * (target_len or seq_len) * vocab * 4
     every = setup.eval_accumulation_steps
@@ -236,4 +247,5 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
         breakdown={k: int(v) for k, v in parts.items()}, peak_phase=phase, stage=stage,
         device=dev, setup=setup, seq_len=seq_len, uncertainty=rel, notes=notes,
         trace_seconds=ex.seconds, traced_layers=ex.layers, model_states=int(rs.model_states),
-        host_offloaded=int(rs.host), lower_bound=ex.lower_bound)
+        host_offloaded=int(rs.host) + technique_host_bytes(spec, setup, seq_len),
+        lower_bound=ex.lower_bound)

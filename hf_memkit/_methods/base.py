@@ -33,7 +33,6 @@ class Method:
     selected_by: tuple[str, ...] = ("auto", "full")  # plan_training(method=...) values
     needs: tuple[str, ...] = ()
     adapters = False
-    quant_bits: int | None = None
     slowdown = 1.0           # the step's compute relative to 16-bit matmuls of the same shapes
     note: str | None = None  # said in the plan when chosen
 

@@ -11,7 +11,6 @@ from .base import KbitLora, half_dtype, register
 class QLora(KbitLora):
     name = "qlora"
     selected_by = ("auto", "qlora")
-    quant_bits = 4
     slowdown = 1 / 0.7
 
     def quantization_config(self, dev: Any) -> Any:

@@ -9,7 +9,8 @@ Per entry:
   * ``modelled``: False -> a warning names it and the estimate says it is ignored;
   * ``trace_hook(model, options, stage=..., adapters=...)``: applied to the fake model before a
     traced step (e.g. checkpointing wraps the layers);
-  * ``host_bytes``: bytes it keeps in host memory for a step (0 when None);
+  * ``host_bytes(spec, setup, seq_len, options)``: bytes it keeps in host memory for a step,
+    added to ``MemoryEstimate.host_offloaded`` (0 when None);
   * ``extra_flops(n_params, attn_flops)``: compute it adds per token (the planner's cost model);
   * ``searched``: the planner tries it on and off; ``emit(on)`` gives the TrainingArguments
     fields for that, ``prepare(model)`` applies it in ``Plan.prepare``, ``supported(model_cls)``
