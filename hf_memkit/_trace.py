@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ._errors import HfMemkitError
+from ._model.facts import DECODER_DEPTH_KEYS, DEPTH_KEYS, ENCODER_DEPTH_KEYS
 
 try:  # private torch APIs, fenced here and nowhere else
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -44,8 +45,7 @@ else:
     _IMPORT_ERROR = None
 
 CPU = torch.device("cpu")
-_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "decoder_layers",
-               "encoder_layers")
+_LAYER_KEYS = DEPTH_KEYS + DECODER_DEPTH_KEYS + ENCODER_DEPTH_KEYS
 
 
 def require_tracing() -> None:
@@ -93,7 +93,7 @@ class TraceResult:
 
 def layer_count(config: Any) -> int:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+    for key in DEPTH_KEYS:
         v = getattr(text, key, None)
         if isinstance(v, int):
             return v

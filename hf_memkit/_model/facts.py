@@ -6,6 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
+# Config keys that give a model's depth, under the names different families use (one list for
+# profile_model and the trace's depth).
+DEPTH_KEYS = ("num_hidden_layers", "num_layers", "n_layer")
+DECODER_DEPTH_KEYS = ("num_decoder_layers", "decoder_layers")
+ENCODER_DEPTH_KEYS = ("encoder_layers",)
+
 
 @dataclass
 class ModelFacts:

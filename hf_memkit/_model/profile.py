@@ -19,6 +19,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from .._errors import HfMemkitError
 from .catalog import resolve_config
+from .facts import DECODER_DEPTH_KEYS, DEPTH_KEYS
 from .tasks import TASKS, normalize_task, task_of_class
 
 _ATTN_FLAGS = {  # class attribute -> attn_implementation value (transformers 5 names)
@@ -156,9 +157,9 @@ def architecture_facts(config: PretrainedConfig) -> dict[str, Any]:
     hidden = _first(text, ("hidden_size", "d_model", "n_embd", "dim"))
     heads = _first(text, ("num_attention_heads", "num_heads", "n_head"))
     kv = _first(text, ("num_key_value_heads", "num_kv_heads", "multi_query_group_num"), heads)
-    layers = _first(text, ("num_hidden_layers", "num_layers", "n_layer"))
+    layers = _first(text, DEPTH_KEYS)
     if getattr(text, "is_encoder_decoder", False):
-        dec = _first(text, ("num_decoder_layers", "decoder_layers"), layers)
+        dec = _first(text, DECODER_DEPTH_KEYS, layers)
         layers = (layers or 0) + (dec or 0)
     head_dim = _first(text, ("head_dim", "d_kv"))
     if head_dim is None and hidden and heads:
