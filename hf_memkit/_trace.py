@@ -309,16 +309,38 @@ def build_fake(model_cls: type, config: Any, *, fm: Any, attn_implementation: st
     return model
 
 
+def _train_micro_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], loss: str,
+                      grad_accum: int, suffix: str, record: Callable[[str], None],
+                      forward_only: bool) -> None:
+    out = model(**batch)
+    if loss == "logits_sum":
+        value = out.logits.sum()
+    else:
+        value = out.loss if hasattr(out, "loss") else out[0]
+    if grad_accum > 1:
+        value = value / grad_accum
+    del out
+    record("forward" + suffix)
+    if forward_only:
+        return
+    value.backward()
+    del value
+    record("backward" + suffix)
+
+
 def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq_len: int,
                grad_accum: int = 1, amp: str | None = None, dtype: torch.dtype = torch.float32,
                attn_implementation: str | None = None, lora: LoraSpec | None = None,
                stage: str = "train", target_len: int | None = None,
                padded: bool = False, loss: str = "labels",
-               hooks: Sequence[Callable[..., None]] = ()) -> TraceResult:
+               hooks: Sequence[Callable[..., None]] = (),
+               forward_only: bool = False) -> TraceResult:
     """Peak bytes of one forward(+loss+backward) of ``config`` on fake tensors.
 
     ``hooks`` are the setup's memory techniques (``_techniques``): each is called as
     ``hook(model, stage=..., adapters=...)`` on the fake (base) model before the step.
+    ``forward_only``: trace only the first micro-step's forward (a cheap lower bound of a train
+    step: its forward phase).
 
     ``loss="labels"`` is the Trainer's path (the model's own loss from ``labels``);
     ``loss="logits_sum"`` feeds no labels and backpropagates ``logits.sum()``, as some published
@@ -360,24 +382,13 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
         categories[name] = snap
         _reset_peak(mt)
 
-    for i in range(n_micro):
+    for i in range(1 if forward_only else n_micro):
         # a fresh tracker per micro-step registers the gradients the previous one left as such
-        suffix = "_accum" if i else ""
         mt = new_tracker(model, all_inputs)
         with fm, mt, _unpacked_sequences():
             if stage == "train":
-                out = model(**batches[i])
-                if loss == "logits_sum":
-                    value = out.logits.sum()
-                else:
-                    value = out.loss if hasattr(out, "loss") else out[0]
-                if grad_accum > 1:
-                    value = value / grad_accum
-                del out
-                record(mt, "forward" + suffix)
-                value.backward()
-                del value
-                record(mt, "backward" + suffix)
+                _train_micro_step(model, batches[i], loss, grad_accum, "_accum" if i else "",
+                                  lambda name, _mt=mt: record(_mt, name), forward_only)
             else:
                 with torch.no_grad():
                     out = model(**batches[0])

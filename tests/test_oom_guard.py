@@ -80,7 +80,9 @@ class MemoryAtStepEnd(TrainerCallback):
         self.bytes = {}
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.begin = alive_cpu_tensor_bytes(collect=False)
+        # collect first: garbage left by earlier tests, freed by an automatic gc pass during one
+        # run and not the other, would otherwise shift that run's bytes (seen: 24 B)
+        self.begin = alive_cpu_tensor_bytes(collect=True)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.bytes[state.global_step] = alive_cpu_tensor_bytes(collect=False) - self.begin

@@ -49,13 +49,13 @@ def _lin(x1: float, x2: float, scale: float) -> int:
 
 
 def trace_excess(spec: ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: str,
-                 target_len: int | None, padded: bool) -> Excess:
+                 target_len: int | None, padded: bool, forward_only: bool = False) -> Excess:
     full = layer_count(spec.config)
     batch = setup.micro_batch if stage == "train" else setup.eval_batch
     kw = dict(task=spec.task, micro_batch=batch, seq_len=seq_len, grad_accum=setup.grad_accum,
               amp=setup.amp, dtype=spec.dtype, attn_implementation=spec.attn_implementation,
               lora=spec.lora, stage=stage, target_len=target_len, padded=padded,
-              hooks=technique_hooks(setup))
+              hooks=technique_hooks(setup), forward_only=forward_only)
 
     def excess(n: int):
         cfg = spec.config if n == full else with_layers(spec.config, n)
@@ -131,6 +131,26 @@ class TraceCache:
             e = Excess(phases, e.categories, e.inputs // 2 * setup.grad_accum, e.seconds,
                        e.layers, e.lower_bound)
         return e
+
+    def probe(self, spec: ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: str,
+              target_len: int | None, padded: bool) -> Excess:
+        """A train step bounded from below by its first forward alone (a forward-only trace
+        costs about a third of a full one): the forward phase is exact, the backward is left
+        out. The full trace instead when it is cached (or for eval)."""
+        key = self.key(spec, setup, seq_len=seq_len, stage=stage, target_len=target_len,
+                       padded=padded)
+        b = setup.micro_batch
+        if stage != "train" or key + (b,) in self._store:
+            return self.excess(spec, setup, seq_len=seq_len, stage=stage, target_len=target_len,
+                               padded=padded)
+        k = key + ("forward only", b)
+        if k not in self._store:
+            self._store[k] = trace_excess(spec, setup.replace(grad_accum=1), seq_len=seq_len,
+                                          stage=stage, target_len=target_len, padded=padded,
+                                          forward_only=True)
+        e = self._store[k]
+        return Excess(dict(e.phases), e.categories, e.inputs * setup.grad_accum, e.seconds,
+                      e.layers, lower_bound=True)
 
 
 def _batch_lower_bound(e1: Excess, e2: Excess, batch: int) -> Excess:

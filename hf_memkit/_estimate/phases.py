@@ -132,9 +132,10 @@ def _train_phases(ex: Excess, xp: dict[str, int], rs: RankStates) -> dict[str, i
     gf, gb, gbuf = rs.gathered_forward, rs.gathered_backward, rs.grad_buffers
     G_acc = G if rs.accum_gradients is None else rs.accum_gradients
     base = W + ex.inputs + O + B
-    phases = {"forward": base + gf + xp["forward"],
-              "backward": base + gb + gbuf + xp["backward"],
-              "optimizer step": base + G + rs.optimizer_transient}
+    phases = {"forward": base + gf + xp["forward"]}
+    if "backward" in xp:  # (a forward-only probe has none: its phases bound the step below)
+        phases["backward"] = base + gb + gbuf + xp["backward"]
+    phases["optimizer step"] = base + G + rs.optimizer_transient
     if "forward_accum" in xp:
         phases["forward (accumulating)"] = base + G_acc + gf + xp["forward_accum"]
         phases["backward (accumulating)"] = base + G_acc + gb + gbuf + xp["backward_accum"]
@@ -221,16 +222,22 @@ def _device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int],
 
 def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_len: int,
                  stage: str = "train", target_len: int | None = None, padded: bool = False,
-                 cache: TraceCache | None = None, exact: bool = True) -> MemoryEstimate:
+                 cache: TraceCache | None = None, exact: bool = True,
+                 probe: bool = False) -> MemoryEstimate:
     """``estimate_memory`` for an already resolved model and setup (the planner's entry).
-    ``exact=False`` with a cache may return a lower bound (``MemoryEstimate.lower_bound``)."""
+    ``exact=False`` with a cache may return a lower bound (``MemoryEstimate.lower_bound``);
+    ``probe=True`` with a cache bounds a train step from its forward alone."""
     notes = check_setup(spec, setup, dev, seq_len)
     rs, om = states_for(spec, setup, dev)
     notes += _state_notes(setup, rs, om, dev)
     trace_spec, trace_setup = trace_variant(spec, setup)
     kw = dict(seq_len=seq_len, stage=stage, target_len=target_len, padded=padded)
-    ex = cache.excess(trace_spec, trace_setup, exact=exact, **kw) if cache is not None \
-        else trace_excess(trace_spec, trace_setup, **kw)
+    if cache is None:
+        ex = trace_excess(trace_spec, trace_setup, **kw)
+    elif probe:
+        ex = cache.probe(trace_spec, trace_setup, **kw)
+    else:
+        ex = cache.excess(trace_spec, trace_setup, exact=exact, **kw)
     # QLoRA's dequantisation temporaries are traced (_trace.SimLinear4bit); an 8-bit base is
     # traced as frozen linears of the load dtype.
     step = _step(spec, trace_spec, setup, ex, rs, stage)

@@ -167,7 +167,8 @@ def resolve_model(model: Any, *, task: str | None = None, dtype: torch.dtype | s
         raise HfMemkitError(
             f"a {ld.quant_bits}-bit base cannot be trained directly; give `peft_config` "
             "(a peft.LoraConfig) for QLoRA, or drop quantization_config")
-    key = (ld.model_cls, id(ld.config), ld.dtype, ld.attn, repr(ld.lora_cfg))
+    # attention picks a kernel, not parameters: specs that differ only in it share a meta model
+    key = (ld.model_cls, id(ld.config), ld.dtype, repr(ld.lora_cfg))
     meta = meta_cache.get(key) if meta_cache is not None else None
     if meta is None:
         meta = _meta_model(ld.model_cls, ld.config, ld.dtype, ld.attn, ld.lora_cfg)

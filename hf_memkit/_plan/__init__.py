@@ -31,7 +31,7 @@ def _model_name(model: Any, spec: Any) -> Any:
     return spec.config  # a config or a model: keep its config (re-estimates use it)
 
 
-def _search_for(req: PlanRequest) -> tuple[Search, list[Candidate]]:
+def search_for(req: PlanRequest) -> tuple[Search, list[Candidate]]:
     methods = ladder(req.method)
     book = SpecBook(req, {m.name: m for m in methods})
     facts = architecture_facts(book.base.config)
@@ -99,7 +99,7 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
     req = PlanRequest(model, seq_len, target_batch_size, device, num_gpus, method, headroom,
                       max_memory, task, num_nodes, engine, host_memory, dict(constraints))
     req.raise_problems("plan_training")
-    s, cands = _search_for(req)
+    s, cands = search_for(req)
     return _finish(s, cands, s.run(cands))
 
 

@@ -50,10 +50,11 @@ class Search:
                                   num_gpus=self.req.ranks)
 
     def estimate(self, c: Candidate, *, exact: bool = True, stage: str = "train",
-                 setup: TrainingSetup | None = None) -> MemoryEstimate:
+                 setup: TrainingSetup | None = None, probe: bool = False) -> MemoryEstimate:
         spec = self.book.get(c.method, c.precision)[0]
         return estimate_for(spec, setup or self.setup_of(c), self.req.dev,
-                            seq_len=self.req.seq_len, stage=stage, cache=self.cache, exact=exact)
+                            seq_len=self.req.seq_len, stage=stage, cache=self.cache, exact=exact,
+                            probe=probe)
 
     # -- pricing and the cheap bound ----------------------------------------------------------
     def _sharding(self, c: Candidate) -> Sharding:
@@ -85,11 +86,18 @@ class Search:
                         f"{format_bytes(self.budget)}")
 
     # -- the search ---------------------------------------------------------------------------
-    def _try(self, c: Candidate) -> bool:
+    def _try(self, c: Candidate, *, probe: bool = False) -> bool:
+        """Estimate ``c`` (bounded from below first: ``probe`` by its forward alone, else by
+        the micro-batch line) and say whether it fits; only exact estimates are accepted."""
         setup = self.setup_of(c)
-        est = self.estimate(c, exact=False, setup=setup)
+        est = self.estimate(c, setup=setup, probe=True) if probe else None
+        if est is None or est.device_used <= self.budget:
+            est = self.estimate(c, exact=False, setup=setup)
         if est.lower_bound and est.device_used <= self.budget:  # verify before accepting
             est = self.estimate(c, setup=setup)
+        return self._record(c, est)
+
+    def _record(self, c: Candidate, est: MemoryEstimate) -> bool:
         c.estimate, c.device_used, c.peak_allocated = est, est.device_used, est.peak_allocated
         host = est.host_offloaded * (self.req.ranks // self.req.nodes)
         c.fits = est.device_used <= self.budget and (self.host_budget is None
@@ -110,7 +118,7 @@ class Search:
         if small is c:
             return True
         if small.estimate is None:
-            self._try(small)
+            self._try(small, probe=True)
         if not small.fits:
             c.reason = (f"a smaller micro-batch ({small.micro_batch}) already does not fit: "
                         f"{small.reason}")
@@ -153,7 +161,7 @@ class Search:
         for c in candidates:
             if c.micro_batch != 1 and c.estimate is None:
                 continue
-            if c.estimate is None:
+            if c.estimate is None or (c.micro_batch == 1 and c.estimate.lower_bound):
                 try:
                     c.estimate = self.estimate(c)
                 except HfMemkitError:

@@ -9,6 +9,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+from transformers import PretrainedConfig
+
 from .._compat import is_flash_attn_available
 from .._device import DeviceInfo
 from .._engines import Rung, all_rungs
@@ -108,9 +111,12 @@ class SpecBook:
 
     def __init__(self, req: PlanRequest, methods: dict[str, Method]):
         self.req, self.methods = req, methods
-        self.base = resolve_model(req.model, task=req.task)
-        self._specs: dict[tuple[str, str], tuple[ModelSpec, Any, Any]] = {}
         self._meta: dict = {}
+        self.base = resolve_model(req.model, task=req.task, meta_cache=self._meta)
+        # a name or a directory is read once: specs of one config object share meta models
+        self._ref = req.model if isinstance(req.model, (torch.nn.Module, PretrainedConfig)) \
+            else self.base.config
+        self._specs: dict[tuple[str, str], tuple[ModelSpec, Any, Any]] = {}
 
     def get(self, method: str, precision: str) -> tuple[ModelSpec, Any, Any]:
         key = (method, precision)
@@ -118,7 +124,7 @@ class SpecBook:
             m, dev = self.methods[method], self.req.dev
             peft_cfg = m.peft_config(self.base.task) if m.adapters else None
             quant = m.quantization_config(dev)
-            spec = resolve_model(self.req.model, task=self.req.task,
+            spec = resolve_model(self._ref, task=self.req.task,
                                  dtype=m.load_dtype(precision, dev),
                                  attn_implementation=attention(self.base, dev, precision)[0],
                                  peft_config=peft_cfg, quantization_config=quant,
