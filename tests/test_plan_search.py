@@ -7,7 +7,6 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from transformers import LlamaConfig
 
 import hf_memkit as mk
 from hf_memkit._estimate import TraceCache, estimate_for
@@ -16,14 +15,8 @@ from hf_memkit._plan import PlanRequest, search_for
 from hf_memkit._setup import normalize_args
 from hf_memkit._units import MiB
 
-TINY = LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, vocab_size=2000,
-                   tie_word_embeddings=False, attention_dropout=0.0)
-SEQ, TARGET = 128, 16
-
-
-def _cpu(total: int):
-    return mk.get_device("cpu").replace(total_memory=total, free_memory=total)
+from .test_plan import SEQ, TARGET, TINY
+from .test_plan import cpu as _cpu
 
 
 def _exhaustive_choice(budget: int):
