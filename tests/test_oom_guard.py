@@ -8,13 +8,13 @@ dropout make the comparison tight.
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
 from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from hf_memkit import _oom
-from hf_memkit._rss import alive_cpu_tensor_bytes
 from hf_memkit._synthetic import SyntheticTextDataset, tiny_llama_config
 from hf_memkit.callbacks import OOMGuardTrainer, OOMRecoveryError, is_oom_error
 
@@ -80,12 +80,28 @@ class MemoryAtStepEnd(TrainerCallback):
         self.bytes = {}
 
     def on_train_begin(self, args, state, control, **kwargs):
-        # collect first: garbage left by earlier tests, freed by an automatic gc pass during one
-        # run and not the other, would otherwise shift that run's bytes (seen: 24 B)
-        self.begin = alive_cpu_tensor_bytes(collect=True)
+        self.begin = _alive_bytes()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.bytes[state.global_step] = alive_cpu_tensor_bytes(collect=False) - self.begin
+        self.bytes[state.global_step] = _alive_bytes() - self.begin
+
+
+def _alive_bytes() -> int:
+    """Bytes of live CPU tensors (garbage collected first), 0-d tensors left out: a run's first
+    step frees a few 0-d tensors (losses, norms) that the previous run left alive from C++, with
+    no Python object referring to them (seen in a long session: three to nine 0-d float64
+    tensors, 24-72 B), so the reference run and the guarded run would each free a different
+    run's leftovers. What a leak after an OOM leaves (activations, gradients, batches) is never
+    0-d."""
+    gc.collect()
+    seen: dict[int, int] = {}
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and type(o) in (torch.Tensor, torch.nn.Parameter) \
+                and o.device.type == "cpu" and o.dim() > 0:
+            st = o.untyped_storage()
+            if st.data_ptr():
+                seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
 
 
 def run(cls, model, tmp_path, *, callbacks=(), accepts_loss_kwargs=True, setup=None, **kw):
