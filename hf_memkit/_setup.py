@@ -21,6 +21,7 @@ from ._engines import Sharding, sharding_from_args
 from ._errors import ConfigError, HfMemkitError, did_you_mean
 from ._optimizers import get_optimizer_profile
 from ._techniques import TechniqueUse, read_techniques, unmodelled
+from ._techniques.base import frozen
 from ._techniques.checkpointing import NAME as CHECKPOINTING
 
 # Fields that never change what a traced forward/backward allocates: the trace cache key is every
@@ -67,7 +68,7 @@ class TrainingSetup:
 
     def trace_key(self) -> tuple:
         """Every field a trace can depend on (all but ``TRACE_INDEPENDENT``), hashable."""
-        return tuple((f.name, _hashable(getattr(self, f.name)))
+        return tuple((f.name, frozen(getattr(self, f.name)))
                      for f in dataclasses.fields(self) if f.name not in TRACE_INDEPENDENT)
 
     def to_dict(self) -> dict[str, Any]:
@@ -85,14 +86,6 @@ class TrainingSetup:
         d["unmodelled"] = tuple(d.get("unmodelled", ()))
         d["notes"] = tuple(d.get("notes", ()))
         return cls(**d)
-
-
-def _hashable(v: Any) -> Any:
-    if isinstance(v, dict):
-        return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
-    if isinstance(v, (set, frozenset)):
-        return tuple(sorted(v))
-    return v
 
 
 @cache

@@ -19,7 +19,7 @@ from .base import (
     Sharding,
     StateSizes,
     all_rungs,
-    user_engines,
+    engine_choices,
 )
 from .deepspeed import deepspeed_config_for, validate_deepspeed_config
 from .fsdp import FSDP_CONFIG_KEYS, fsdp_config_for, fsdp_plugin_args, validate_fsdp_config
@@ -52,6 +52,6 @@ def rank_states(sh: Sharding, sizes: StateSizes, *, facts: Any, device_kind: str
 
 __all__ = ["ENGINES", "EmitContext", "Engine", "FSDP_CONFIG_KEYS", "RankStates", "Rung",
            "Sharding", "StateSizes", "all_rungs", "comm_bytes_per_step", "comm_seconds",
-           "deepspeed_config_for", "fsdp_config_for", "fsdp_plugin_args", "launch_commands",
-           "rank_states", "sharding_from_args", "user_engines", "validate_deepspeed_config",
+           "deepspeed_config_for", "engine_choices", "fsdp_config_for", "fsdp_plugin_args",
+           "launch_commands", "rank_states", "sharding_from_args", "validate_deepspeed_config",
            "validate_fsdp_config"]

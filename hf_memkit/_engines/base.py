@@ -186,8 +186,9 @@ def register(engine: Engine) -> Engine:
     return ENGINES.register(engine)
 
 
-def user_engines() -> list[str]:
-    return [e.name for e in ENGINES if e.user_facing]
+def engine_choices() -> list[str]:
+    """The values of ``plan_training(engine=...)``, the CLI's ``--engine`` and recipes."""
+    return ["auto", *(e.name for e in ENGINES if e.user_facing)]
 
 
 def all_rungs() -> dict[str, Rung]:

@@ -16,12 +16,11 @@ def launch_commands(*, script: str, num_gpus: int, num_nodes: int, engine: str,
     """``accelerate launch`` and ``torchrun`` command lines for one node and for several."""
     per_node = num_gpus // max(1, num_nodes)
     acc = ["accelerate launch"]
-    flag = ENGINES.get(engine).launch_flag if engine in ENGINES else ""
-    if engine == "deepspeed" and config_file:
-        flag += f" --deepspeed_config_file {config_file}"
-    if flag and (engine != "ddp" or num_gpus > 1):
-        acc.append(flag)
-    elif num_gpus > 1:
+    e = ENGINES.get(engine) if engine in ENGINES else None
+    if e is not None and e.sharded:   # the engine's flag (and DeepSpeed's config file)
+        acc.append(e.launch_flag + (f" --deepspeed_config_file {config_file}"
+                                    if config_file else ""))
+    elif num_gpus > 1:                # replicas
         acc.append(ENGINES.get("ddp").launch_flag)
     acc.append(f"--num_processes {num_gpus}")
     if num_nodes > 1:

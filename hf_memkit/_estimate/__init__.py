@@ -19,7 +19,7 @@ from .._errors import ConfigError
 from .._model.spec import resolve_model
 from .._setup import normalize_args
 from .activations import TraceCache
-from .phases import BREAKDOWN_SUM_KEYS, estimate_for, states_for
+from .phases import BREAKDOWN_SUM_KEYS, estimate_for
 from .result import MemoryEstimate
 
 
@@ -67,4 +67,4 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int, device: Any =
 
 
 __all__ = ["BREAKDOWN_SUM_KEYS", "MemoryEstimate", "TraceCache", "estimate_for",
-           "estimate_memory", "states_for"]
+           "estimate_memory"]

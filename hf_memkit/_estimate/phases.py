@@ -65,7 +65,8 @@ def check_setup(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, seq_len:
 
 def states_for(spec: ModelSpec, setup: TrainingSetup,
                dev: DeviceInfo) -> tuple[RankStates, OptimizerMemory]:
-    """One rank's model states and the optimizer's memory for ``setup``."""
+    """One rank's model states and the optimizer's memory for ``setup`` (the planner's cheap
+    bound uses it alone, before any trace)."""
     weights, trainable = spec.states()
     om = get_optimizer_profile(setup.optim).estimate(
         trainable, OptimizerContext(device_kind=dev.kind, optim_args=setup.optim_args))

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._engines import engine_choices
 from .._methods import METHODS, ladder
 from .._model.profile import architecture_facts
 from .._setup import training_args_fields
 from .cost import Shape
 from .emit import ArgsContext, accelerator_kwargs, model_kwargs, parallel_summary, training_args
-from .request import PlanRequest, Problem, engine_choices
+from .request import PlanRequest, Problem
 from .result import MEMORY_FIELDS, Plan
 from .reverse import max_batch_size, max_seq_len
 from .search import Search

@@ -15,7 +15,7 @@ from functools import cached_property
 from typing import Any, NamedTuple
 
 from .._device import DeviceInfo, probe_device, resolve_device
-from .._engines import user_engines
+from .._engines import engine_choices
 from .._errors import ConfigError, did_you_mean
 from .._methods import METHODS, method_choices
 from .._setup import training_args_fields
@@ -38,10 +38,6 @@ class Problem(NamedTuple):
 
 def _positive_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
-
-
-def engine_choices() -> list[str]:
-    return ["auto", *user_engines()]
 
 
 def _choice_problem(name: str, value: Any, allowed: list[str]) -> Problem:

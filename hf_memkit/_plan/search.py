@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from typing import NoReturn
 
-from .._engines import ENGINES, Sharding, StateSizes, rank_states
 from .._errors import HfMemkitError
 from .._estimate import MemoryEstimate, TraceCache, estimate_for
+from .._estimate.phases import states_for
 from .._methods import Method
-from .._optimizers import OptimizerContext, get_optimizer_profile
 from .._setup import TrainingSetup, normalize_args
 from .._units import format_bytes
 from .cost import Shape, cost
@@ -40,7 +40,7 @@ class Search:
     host_budget: int | None
     notes: list[str] = field(default_factory=list)
     cache: TraceCache = field(default_factory=TraceCache)
-    _shardings: dict[tuple, Sharding] = field(default_factory=dict)
+    _setups: dict[tuple, TrainingSetup] = field(default_factory=dict)
     _smallest: dict[tuple, Candidate] = field(default_factory=dict)
 
     def setup_of(self, c: Candidate, eval_batch: int | None = None) -> TrainingSetup:
@@ -57,25 +57,22 @@ class Search:
                             probe=probe)
 
     # -- pricing and the cheap bound ----------------------------------------------------------
-    def _sharding(self, c: Candidate) -> Sharding:
+    def _states_setup(self, c: Candidate) -> TrainingSetup:
+        """The setup of ``c`` as far as model states go: read once per engine rung, precision
+        and accumulation (what the sharding depends on), with ``c``'s optimizer."""
         key = (c.parallel, c.precision, c.grad_accum > 1)
-        if key not in self._shardings:
-            self._shardings[key] = self.setup_of(c).sharding
-        return self._shardings[key]
+        if key not in self._setups:
+            self._setups[key] = self.setup_of(c)
+        return self._setups[key].replace(optim=c.optim)
 
     def price(self, c: Candidate) -> None:
         """Set ``rel_time`` (not yet relative) and reject on model states alone."""
         spec = self.book.get(c.method, c.precision)[0]
-        weights, trainable = spec.states()
-        n_trainable = sum(p.numel for p in trainable)
-        om = get_optimizer_profile(c.optim).estimate(trainable,
-                                                     OptimizerContext(self.req.dev.kind))
-        sh = self._sharding(c)
-        sizes = StateSizes(weights, sum(p.nbytes for p in trainable), n_trainable, om.state, 0,
-                           spec.dtype.itemsize)
-        facts = spec.facts() if ENGINES.get(sh.engine).sharded else None
-        rs = rank_states(sh, sizes, facts=facts, device_kind=self.req.dev.kind)
-        c.rel_time = cost(c, self.shape, n_trainable=n_trainable, dev=self.req.dev, sharding=sh)
+        setup = self._states_setup(c)
+        rs, _ = states_for(spec, setup, self.req.dev)
+        n_trainable = sum(p.numel for p in spec.states()[1])
+        c.rel_time = cost(c, self.shape, n_trainable=n_trainable, dev=self.req.dev,
+                          sharding=setup.sharding)
         per_node = rs.host * (self.req.ranks // self.req.nodes)
         if self.host_budget is not None and per_node > self.host_budget:
             c.reason = (f"offload needs {format_bytes(per_node)} of host RAM per node > "
@@ -142,7 +139,6 @@ class Search:
                 self.notes.append("no full fine-tuning setup fits; falling back to LoRA, which "
                                   "trains adapters instead of all weights")
         self.raise_impossible(candidates)
-        raise AssertionError("unreachable")
 
     def eval_batch(self, chosen: Candidate) -> int:
         """The largest power of two (<= 4 x the micro-batch) whose eval step fits, traced
@@ -155,7 +151,7 @@ class Search:
             b //= 2
         return b
 
-    def raise_impossible(self, candidates: list[Candidate]) -> None:
+    def raise_impossible(self, candidates: list[Candidate]) -> NoReturn:
         """Say the smallest memory any setup needs, and which setup that is."""
         best = None
         for c in candidates:

@@ -369,13 +369,8 @@ def check_request(st: _State) -> None:
                       num_gpus=st.gpus, method=kw.get("method", "auto"),
                       engine=kw.get("engine", "auto"), num_nodes=kw.get("num_nodes"),
                       constraints=dict(kw.get("pins", {})), partial=True)
-    bad = set()
-    for p in req.problems():
+    for p in req.problems():   # any problem fails the whole recipe (validate raises)
         st.c.add(REQUEST_KEYS.get(p.field, f"pins.{p.field}"), p.under_key)
-        bad.add(p.field)
-    for name in ("method", "engine"):
-        if name in bad:
-            kw.pop(name, None)
 
 
 # -- callbacks, output_dir --------------------------------------------------------------------

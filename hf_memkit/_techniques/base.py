@@ -37,14 +37,17 @@ class TechniqueUse(NamedTuple):
 
     @classmethod
     def of(cls, name: str, options: Mapping[str, Any] | None = None) -> TechniqueUse:
-        return cls(name, tuple(sorted((str(k), _frozen(v)) for k, v in (options or {}).items())))
+        return cls(name, frozen(dict(options or {})))
 
 
-def _frozen(v: Any) -> Any:
+def frozen(v: Any) -> Any:
+    """A hashable, order-independent form of nested options (dicts and sets sorted)."""
     if isinstance(v, dict):
-        return tuple(sorted((str(k), _frozen(x)) for k, x in v.items()))
-    if isinstance(v, (list, set)):
-        return tuple(_frozen(x) for x in v)
+        return tuple(sorted((str(k), frozen(x)) for k, x in v.items()))
+    if isinstance(v, (set, frozenset)):
+        return tuple(sorted(frozen(x) for x in v))
+    if isinstance(v, list):
+        return tuple(frozen(x) for x in v)
     return v
 
 

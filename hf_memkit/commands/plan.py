@@ -7,10 +7,11 @@ from pathlib import Path
 
 from rich.console import Console
 
+from .._engines import engine_choices
 from .._errors import HfMemkitError
 from .._methods import method_choices
 from .._model.tasks import task_choices
-from .._plan import engine_choices, plan_training
+from .._plan import plan_training
 from .estimate import parse_field
 
 RECIPE_SUFFIXES = (".yaml", ".yml")
