@@ -111,6 +111,9 @@ def estimate_table(est) -> Table:
     lo, hi = est.band
     t.add_row("= device used", format_bytes(est.device_used),
               f"{format_bytes(lo)} .. {format_bytes(hi)}", style="bold green")
+    t.add_row("margin (2 sigma)", format_bytes(hi - est.device_used),
+              f"{100 * (hi - est.device_used) / total:.1f}%")
+    t.add_row("= must fit", format_bytes(hi), "", style="bold")
     t.caption = f"peak in: {est.peak_phase}" + "".join(f"\nnote: {n}" for n in est.notes)
     return t
 

@@ -32,14 +32,17 @@ from typing import Any
 
 import torch
 
+from ._cuda_emulation import CudaTarget, emulate_cuda
 from ._errors import HfMemkitError
 from ._model.facts import DECODER_DEPTH_KEYS, DEPTH_KEYS, ENCODER_DEPTH_KEYS
+from ._trace_events import EventLog
 
 try:  # private torch APIs, fenced here and nowhere else
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.common_utils import get_untyped_storages
     from torch.distributed._tools.mem_tracker import MemTracker
 except Exception as _exc:  # pragma: no cover - depends on the torch build
-    FakeTensorMode = MemTracker = None  # type: ignore[assignment]
+    FakeTensorMode = MemTracker = get_untyped_storages = None  # type: ignore[assignment]
     _IMPORT_ERROR: Exception | None = _exc
 else:
     _IMPORT_ERROR = None
@@ -85,6 +88,9 @@ class TraceResult:
     phases: dict[str, int] = field(default_factory=dict)
     categories: dict[str, dict[str, int]] = field(default_factory=dict)  # per phase, at its peak
     seconds: float = 0.0
+    sdpa_kernels: tuple[str, ...] = ()   # the CUDA kernel of each SDPA call (CUDA targets)
+    events: EventLog | None = None       # CUDA targets: allocations and frees, for the replay
+    trainable: tuple[int, ...] = ()      # bytes of each trainable parameter, in model order
 
     @property
     def peak(self) -> int:
@@ -187,11 +193,37 @@ if MemTracker is not None:
                     self._peak_mem[dev] = snap["Total"]
                     self._peak_mem_snap[dev] = dict(snap)
 
+        log: EventLog | None = None  # allocation/free events for the allocator replay
 
-def new_tracker(model: torch.nn.Module, inputs: list[torch.Tensor]) -> Any:
-    """A MemTracker over ``model`` and ``inputs``. torch's MemTracker registers a gradient hook
-    on every parameter and fails on frozen ones (a LoRA base); those get a no-op handle."""
+        def _log_new(self, t: torch.Tensor) -> None:
+            if self.log is not None:
+                for st in get_untyped_storages(t):
+                    winfo = self._WINFO[st][0]
+                    if not hasattr(winfo, "mk_key"):
+                        winfo.mk_key = self.log.seen(st, winfo.mem_consumed)
+
+        def _update_and_maybe_create_winfos(self, t, reftype, update_existing=False):
+            winfos = super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+            self._log_new(t)
+            return winfos
+
+        def _track(self, reftype, t) -> None:
+            super()._track(reftype, t)
+            self._log_new(t)
+
+        def _delete_callback(self, winfo, w_st) -> None:
+            super()._delete_callback(winfo, w_st)
+            if self.log is not None and hasattr(winfo, "mk_key"):
+                self.log.gone(winfo.mk_key)
+
+
+def new_tracker(model: torch.nn.Module, inputs: list[torch.Tensor],
+                log: EventLog | None = None) -> Any:
+    """A MemTracker over ``model`` and ``inputs`` (logging allocations into ``log``). torch's
+    MemTracker registers a gradient hook on every parameter and fails on frozen ones (a LoRA
+    base); those get a no-op handle."""
     mt = _GlobalPeakTracker()
+    mt.log = log
     mt.track_external(model, *inputs)
     for p in model.parameters():
         if not p.requires_grad:
@@ -334,13 +366,16 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
                stage: str = "train", target_len: int | None = None,
                padded: bool = False, loss: str = "labels",
                hooks: Sequence[Callable[..., None]] = (),
-               forward_only: bool = False) -> TraceResult:
+               forward_only: bool = False, target: CudaTarget | None = None) -> TraceResult:
     """Peak bytes of one forward(+loss+backward) of ``config`` on fake tensors.
 
     ``hooks`` are the setup's memory techniques (``_techniques``): each is called as
     ``hook(model, stage=..., adapters=...)`` on the fake (base) model before the step.
     ``forward_only``: trace only the first micro-step's forward (a cheap lower bound of a train
     step: its forward phase).
+
+    ``target``: a CUDA target to trace as CUDA runs it (``_cuda_emulation``: CUDA's autocast
+    policy, SDPA kernel and dropout); None traces this CPU's behaviour.
 
     ``loss="labels"`` is the Trainer's path (the model's own loss from ``labels``);
     ``loss="logits_sum"`` feeds no labels and backpropagates ``logits.sum()``, as some published
@@ -382,10 +417,14 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
         categories[name] = snap
         _reset_peak(mt)
 
+    kernels: list[str] = []
+    log = EventLog() if target is not None and not forward_only else None
     for i in range(1 if forward_only else n_micro):
         # a fresh tracker per micro-step registers the gradients the previous one left as such
-        mt = new_tracker(model, all_inputs)
-        with fm, mt, _unpacked_sequences():
+        mt = new_tracker(model, all_inputs, log)
+        if log is not None:
+            log.mark(f"micro{i}")
+        with fm, mt, _unpacked_sequences(), emulate_cuda(target) as cuda_ops:
             if stage == "train":
                 _train_micro_step(model, batches[i], loss, grad_accum, "_accum" if i else "",
                                   lambda name, _mt=mt: record(_mt, name), forward_only)
@@ -394,6 +433,9 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
                     out = model(**batches[0])
                     del out
                 record(mt, "eval")
+            if cuda_ops is not None and i == 0:
+                kernels = list(cuda_ops.kernels)
     return TraceResult(num_layers=layer_count(config), weights=weights, grads=grads,
                        inputs=inputs, phases=phases, categories=categories,
-                       seconds=time.perf_counter() - t0)
+                       seconds=time.perf_counter() - t0, sdpa_kernels=tuple(kernels),
+                       events=log, trainable=tuple(p.numel() * p.element_size() for p in params))

@@ -215,7 +215,7 @@ def test_unmodelled_settings_warn():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(seq_len=0), "seq_len must be a positive integer"),
     (dict(seq_len=-5), "seq_len must be a positive integer"),
-    (dict(stage="predict"), "stage must be 'train' or 'eval'"),
+    (dict(stage="predict"), "stage must be one of 'train', 'eval', 'forward_backward'"),
 ])
 def test_bad_call_arguments(kwargs, match):
     with pytest.raises(mk.HfMemkitError, match=match):

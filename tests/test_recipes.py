@@ -80,7 +80,7 @@ def _memory_args(ta: dict) -> dict:
             "gradient_accumulation_steps", "bf16", "fp16", "tf32", "optim", "optim_args",
             "activation_checkpointing", "activation_checkpointing_kwargs",
             "gradient_checkpointing", "gradient_checkpointing_kwargs", "max_grad_norm",
-            "eval_accumulation_steps", "fsdp", "fsdp_config", "deepspeed"}
+            "eval_accumulation_steps", "fsdp", "fsdp_config", "deepspeed", "accelerator_config"}
     return {k: v for k, v in ta.items() if k in keep}
 
 
@@ -307,6 +307,9 @@ training: {{seq_len: 8, target_batch_size: 1}}
     ("model: gpt2\ntraining: {seq_len: 8, target_batch_size: 16}\n"
      "hardware: {device: H100-80GB, num_gpus: 16, num_nodes: 3}",
      "hardware.num_nodes", "not a multiple of num_nodes=3"),
+    ("model: gpt2\ntraining: {seq_len: 8, target_batch_size: 8}\n"
+     "hardware: {device: A100-80GB, cuda_version: 12}",
+     "hardware.cuda_version", "expected a CUDA version such as '12.8'"),
     ("model: gpt2\nseq_len: 8\ntraining: {target_batch_size: 8}",
      "seq_len", "unknown key (did you mean `training.seq_len`?)"),
     ("- just\n- a list", "", "the top level must be a mapping"),
@@ -393,3 +396,17 @@ def test_help_has_examples(cmd, capsys):
         main([cmd, "--help"])
     assert ei.value.code == 0
     assert "Examples:" in capsys.readouterr().out
+
+
+def test_recipe_cuda_version_reaches_the_plan(tmp_path):
+    """hardware.cuda_version is the target's CUDA: 11.2 loads every kernel at start, so the
+    plan's estimate carries the eager-loading context (1343 MiB, _cuda.CONTEXT_EAGER_LOADING)."""
+    from hf_memkit import _cuda
+
+    p = write(tmp_path, "model: gpt2\ntraining: {seq_len: 64, target_batch_size: 4}\n"
+                        "hardware: {device: A100-80GB, cuda_version: '11.2'}")
+    r = load_recipe(p)
+    assert r.cuda_version == "11.2"
+    plan = mk.plan_training(**r.plan_kwargs())
+    assert plan.estimate.cuda_version == "11.2"
+    assert plan.estimate.breakdown["context"] == _cuda.CONTEXT_EAGER_LOADING

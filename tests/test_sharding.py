@@ -332,16 +332,19 @@ def test_communication_cost_follows_the_interconnect():
 
 def test_sharding_beats_a_replica_squeezed_by_slow_savers():
     """A DDP replica of Llama-3.1-8B fits 80 GB only with pure bf16 + Adafactor + checkpointing;
-    FSDP2 with AMP and fused AdamW without checkpointing is faster, and the plan takes it."""
+    FSDP2 with fused AdamW without checkpointing is faster, and the plan takes it. (AMP or pure
+    bf16: with the CUDA margin on activations, 2 x 31% until a GPU calibration, the AMP setup's
+    fp32 master weights leave too little room at seq 4096.)"""
     p = plan(device="H100-80GB", num_gpus=8, seq_len=4096)
     assert p.chosen.parallel.startswith("fsdp") and p.chosen.parallel != "fsdp-offload"
-    assert p.chosen.precision == "bf16" and p.chosen.optim == "adamw_torch_fused"
+    assert p.chosen.precision in ("bf16", "pure-bf16") and p.chosen.optim == "adamw_torch_fused"
     assert not p.chosen.checkpointing
     ddp_fits = [c for c in p.candidates if c.parallel == "ddp" and c.fits]
     squeezed = [c for c in p.candidates if c.parallel == "ddp" and c.precision == "pure-bf16"
                 and c.checkpointing]
     assert not ddp_fits or all(c.rel_time > 1 for c in ddp_fits)
-    assert squeezed and all(c.rel_time > 1 for c in squeezed)
+    # a squeezed replica faster than the choice would have to not fit
+    assert squeezed and all(c.rel_time > 1 or not c.fits for c in squeezed)
 
 
 def test_fsdp_on_cpu_says_the_trainer_would_run_ddp():

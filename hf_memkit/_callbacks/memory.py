@@ -14,6 +14,10 @@ At each logging step it adds (GiB unless named otherwise):
     memory/predicted_peak_gib   MemoryEstimate.peak_allocated (when an estimate or plan is given)
     memory/actual_over_predicted  peak_allocated / predicted
 
+With ``calibrate=True`` (CUDA, an estimate given, nvidia-ml-py installed) the first log at or
+after step ``CALIBRATE_AFTER_STEP`` also appends NVML used / the estimate's ``device_used`` - 1 to
+the stored calibration of this GPU (``hf-memkit calibrate`` must have made one), once per run.
+
 Cost: on a step that does not log it does one integer test per event; the peak-since-last-log
 comes from the allocator's (or the kernel's) own high-water mark, reset at each log, so nothing
 is read in between. The per-phase peaks are taken on the step that will log (known in advance
@@ -29,9 +33,12 @@ import logging
 import os
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 
 from .. import _oom
+from .._calibration import record_residual
+from .._device import probe_device
 from .._rss import mmap_threshold_set
 from .._units import GiB
 from ._order import add_to_logs, move_ahead_of_reporters
@@ -40,6 +47,7 @@ from ._readers import CpuReader, CudaReader, MpsReader, Reader, make_reader
 logger = logging.getLogger(__name__)
 
 PREFIX = "memory/"
+CALIBRATE_AFTER_STEP = 3   # the first steps allocate lazily (optimizer state, kernels, workspaces)
 
 
 def predicted_peak(estimate: Any) -> int | None:
@@ -49,6 +57,14 @@ def predicted_peak(estimate: Any) -> int | None:
     est = getattr(estimate, "estimate", estimate)
     peak = getattr(est, "peak_allocated", None)
     return int(peak) if peak is not None else None
+
+
+def predicted_device_used(estimate: Any) -> int | None:
+    """``device_used`` of a ``MemoryEstimate`` for a CUDA device (or of a ``Plan``'s), or None."""
+    est = getattr(estimate, "estimate", estimate)
+    used = getattr(est, "device_used", None)
+    kind = getattr(getattr(est, "device", None), "kind", "cuda")
+    return int(used) if used and kind == "cuda" else None
 
 
 def will_log(args, state) -> bool:
@@ -72,11 +88,15 @@ class MemoryCallback(TrainerCallback):
             (``torch.cuda.memory._record_memory_history``) so that an OOM caught by the OOM guard
             dumps a snapshot pytorch.org/memory_viz opens.
         max_entries: history ring-buffer size when ``record_history``.
+        calibrate: on CUDA with an estimate, append measured/predicted of ``device_used`` (NVML)
+            to this GPU's stored calibration once, at the first log from step 3 on.
     """
 
     def __init__(self, estimate: Any = None, *, plot: bool = True, report: bool = True,
-                 record_history: bool = False, max_entries: int = 100_000):
+                 record_history: bool = False, max_entries: int = 100_000,
+                 calibrate: bool = False):
         self.estimate = estimate
+        self.calibrate = calibrate
         self.plot = plot
         self.report = report
         self.record_history = record_history
@@ -112,6 +132,7 @@ class MemoryCallback(TrainerCallback):
         self._last_step = -1
         self._anchored_after_first = False
         self.timeline, self.events = [], []
+        self._calibration_due = False
         if not self._active:
             return
         if not move_ahead_of_reporters(self):
@@ -136,6 +157,7 @@ class MemoryCallback(TrainerCallback):
             self._warn_once("history", "record_history needs CUDA; no allocator history is kept")
         self._reader.anchor()
         self._reader.reset_peak()
+        self._calibration_due = self.calibrate and self._can_calibrate()
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self._active and will_log(args, state):
@@ -193,6 +215,44 @@ class MemoryCallback(TrainerCallback):
             rec["actual_over_predicted"] = peak / self._predicted
         self.timeline.append(rec)
         add_to_logs(state, logs, to_metrics(rec))
+        if self._calibration_due and state.global_step >= CALIBRATE_AFTER_STEP:
+            self._calibration_due = False
+            self._write_residual(rec)
+
+    # -- calibrate=True --------------------------------------------------------------------------
+
+    def _can_calibrate(self) -> bool:
+        if not isinstance(self._reader, CudaReader):
+            self._warn_once("calibrate", f"calibrate=True needs CUDA, this run is on "
+                                         f"{self._reader.kind}; no residual is recorded")
+            return False
+        if predicted_device_used(self.estimate) is None:
+            self._warn_once("calibrate", "calibrate=True needs an estimate (MemoryEstimate or Plan) "
+                                         "for a CUDA device; no residual is recorded")
+            return False
+        return True
+
+    def _write_residual(self, rec: dict[str, Any]) -> None:
+        """NVML used / predicted device_used - 1 into this GPU's calibration; never raises."""
+        try:
+            measured = rec.get("nvml_used")
+            if measured is None:
+                self._warn_once("calibrate", "calibrate=True needs NVML (pip install "
+                                             "nvidia-ml-py); no residual is recorded")
+                return
+            dev = probe_device(self._reader.index)
+            path = record_residual(int(measured), predicted_device_used(self.estimate),
+                                   gpu=dev.name, cuda=torch.version.cuda,
+                                   driver=dev.driver_version, torch_version=torch.__version__)
+            if path is None:
+                self._warn_once("calibrate", f"no calibration stored for {dev.name} (driver "
+                                             f"{dev.driver_version}, torch {torch.__version__}, "
+                                             f"CUDA {torch.version.cuda}); run `hf-memkit "
+                                             "calibrate` on this machine first")
+            else:
+                logger.info("memory residual of step %d recorded in %s", rec["step"], path)
+        except Exception as exc:  # a callback never stops training
+            self._warn_once("calibrate", f"calibration residual not recorded: {exc}")
 
     def on_train_end(self, args, state, control, **kwargs):
         if not self._active:

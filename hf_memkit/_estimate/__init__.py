@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .._cuda import parse_cuda_version
 from .._device import resolve_device
 from .._engines import Sharding
 from .._errors import ConfigError
@@ -22,13 +23,16 @@ from .activations import TraceCache
 from .phases import BREAKDOWN_SUM_KEYS, estimate_for
 from .result import MemoryEstimate
 
+STAGES = ("train", "eval", "forward_backward")
+
 
 def _problems(seq_len: Any, stage: Any, target_len: Any) -> list[str]:
     problems = []
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
         problems.append(f"seq_len must be a positive integer, got {seq_len!r}")
-    if stage not in ("train", "eval"):
-        problems.append(f"stage must be 'train' or 'eval', got {stage!r}")
+    if stage not in STAGES:
+        problems.append(f"stage must be one of {', '.join(map(repr, STAGES))}, got {stage!r} "
+                        "('forward_backward': a custom loop's forward and backward, no optimizer)")
     if target_len is not None and (not isinstance(target_len, int) or target_len <= 0):
         problems.append(f"target_len must be a positive integer, got {target_len!r}")
     return problems
@@ -39,8 +43,17 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int, device: Any =
                     dtype: torch.dtype | str | None = None, attn_implementation: str | None = None,
                     peft_config: Any = None, quantization_config: Any = None,
                     padded: bool = False, num_gpus: int | None = None,
-                    sharding: Sharding | None = None) -> MemoryEstimate:
+                    sharding: Sharding | None = None,
+                    cuda_version: str | None = None) -> MemoryEstimate:
     """Predict the peak memory of one training (``stage="train"``) or eval step.
+
+    ``stage="forward_backward"``: the peak of one forward and backward of the model's own loss
+    (from ``labels``) without an optimizer step and without optimizer state, as a custom training
+    loop or a benchmark runs ``model(**batch).loss.backward()``; the gradients stay allocated.
+    ``cuda_version`` ("12.8"): the target's CUDA; default the installed torch's CUDA, else the
+    default torch wheel's (13.0). It decides eager or lazy module loading (``CUDA_MODULE_LOADING``
+    is honoured) and so the CUDA context. For a CUDA device the trace follows CUDA's autocast
+    policy, SDPA kernel choice and dropout (``_cuda_emulation``), not this CPU's.
 
     ``model``: a model on any device (meta included; a peft model is LoRA), a
     ``PretrainedConfig``, a catalog name or a local directory. ``args``: ``TrainingArguments`` or a
@@ -54,6 +67,11 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int, device: Any =
     the estimate is one rank's (FSDP2 / ZeRO shards, gathered layers, buckets), otherwise DDP.
     """
     problems = _problems(seq_len, stage, target_len)
+    if cuda_version is not None:
+        try:
+            parse_cuda_version(cuda_version)
+        except ConfigError as exc:
+            problems += exc.problems
     if problems:
         raise ConfigError(problems, source="estimate_memory")
     setup = normalize_args(args, source="args", num_gpus=num_gpus)
@@ -63,8 +81,8 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int, device: Any =
     spec = resolve_model(model, task=task, dtype=dtype, attn_implementation=attn_implementation,
                          peft_config=peft_config, quantization_config=quantization_config)
     return estimate_for(spec, setup, dev, seq_len=seq_len, stage=stage, target_len=target_len,
-                        padded=padded)
+                        padded=padded, cuda_version=cuda_version)
 
 
-__all__ = ["BREAKDOWN_SUM_KEYS", "MemoryEstimate", "TraceCache", "estimate_for",
+__all__ = ["BREAKDOWN_SUM_KEYS", "STAGES", "MemoryEstimate", "TraceCache", "estimate_for",
            "estimate_memory"]

@@ -8,9 +8,10 @@ extrapolated linearly in the block count, so a 70B plan takes seconds. Each phas
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from .._cuda_emulation import CudaTarget
 from .._model.spec import ModelSpec
 from .._setup import TrainingSetup
 from .._techniques import TECHNIQUES
@@ -32,6 +33,11 @@ class Excess:
     seconds: float
     layers: tuple[int, ...]
     lower_bound: bool = False              # extrapolated in the micro-batch (TraceCache)
+    sdpa_kernels: tuple[str, ...] = ()     # CUDA targets: the attention kernel of each call
+    # CUDA traces: (blocks traced, allocation events, trainable parameter bytes, weight bytes)
+    # per depth, for the caching-allocator replay (``allocation``); its results memoised by key
+    replays: tuple[tuple[int, list, tuple[int, ...], int], ...] = ()
+    replayed: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 def technique_hooks(setup: TrainingSetup) -> list[Any]:
@@ -49,13 +55,21 @@ def _lin(x1: float, x2: float, scale: float) -> int:
 
 
 def trace_excess(spec: ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: str,
-                 target_len: int | None, padded: bool, forward_only: bool = False) -> Excess:
+                 target_len: int | None, padded: bool, forward_only: bool = False,
+                 target: CudaTarget | None = None) -> Excess:
+    """``stage``: "train", "eval", or "forward_backward" (one forward + backward of the model's
+    own loss, traced as a train micro-step without accumulation)."""
     full = layer_count(spec.config)
-    batch = setup.micro_batch if stage == "train" else setup.eval_batch
-    kw = dict(task=spec.task, micro_batch=batch, seq_len=seq_len, grad_accum=setup.grad_accum,
+    batch = setup.eval_batch if stage == "eval" else setup.micro_batch
+    accum = 1 if stage == "forward_backward" else setup.grad_accum
+    # two micro-steps show everything accumulation changes; the Trainer prefetches all of a
+    # step's micro-batches, whose bytes are scaled up below (as TraceCache does)
+    traced = min(accum, 2)
+    kw = dict(task=spec.task, micro_batch=batch, seq_len=seq_len, grad_accum=traced,
               amp=setup.amp, dtype=spec.dtype, attn_implementation=spec.attn_implementation,
-              lora=spec.lora, stage=stage, target_len=target_len, padded=padded,
-              hooks=technique_hooks(setup), forward_only=forward_only)
+              lora=spec.lora, stage="eval" if stage == "eval" else "train",
+              target_len=target_len, padded=padded,
+              hooks=technique_hooks(setup), forward_only=forward_only, target=target)
 
     def excess(n: int):
         cfg = spec.config if n == full else with_layers(spec.config, n)
@@ -65,18 +79,21 @@ def trace_excess(spec: ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: 
             held = r.weights + r.inputs + (r.grads if name.endswith("_accum") else 0)
             out[name] = total - held
         cats = {name: {k: c.get(k, 0) for k in CATEGORIES} for name, c in r.categories.items()}
-        return out, cats, r.inputs, r.seconds
+        replay = ((n, r.events.events, r.trainable, r.weights),) if r.events is not None else ()
+        inputs = r.inputs // traced * accum if stage != "eval" else r.inputs
+        return out, cats, inputs, r.seconds, r.sdpa_kernels, replay
 
     if full <= FULL_TRACE_MAX_LAYERS or setup.checkpoint_every_n_layers > 1:
-        ph, cats, inp, secs = excess(full)
-        return Excess(ph, cats, inp, secs, (full,))
+        ph, cats, inp, secs, kernels, rep = excess(full)
+        return Excess(ph, cats, inp, secs, (full,), sdpa_kernels=kernels, replays=rep)
     k1, k2 = EXTRAPOLATE_AT
-    ph1, c1, inp, s1 = excess(k1)
-    ph2, c2, _, s2 = excess(k2)
+    ph1, c1, inp, s1, kernels, rep1 = excess(k1)
+    ph2, c2, _, s2, _, rep2 = excess(k2)
     scale = (full - k1) / (k2 - k1)
     phases = {k: _lin(ph1[k], ph2[k], scale) for k in ph1}
     cats = {k: {c: max(0, _lin(c1[k][c], c2[k][c], scale)) for c in c1[k]} for k in c1}
-    return Excess(phases, cats, inp, s1 + s2, (k1, k2))
+    return Excess(phases, cats, inp, s1 + s2, (k1, k2), sdpa_kernels=kernels,
+                  replays=rep1 + rep2)
 
 
 class TraceCache:
@@ -101,16 +118,18 @@ class TraceCache:
         return len(self._store)
 
     def key(self, spec: ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: str,
-            target_len: int | None, padded: bool) -> tuple:
-        return (spec.trace_identity(), stage, setup.trace_key(), seq_len, target_len, padded)
+            target_len: int | None, padded: bool, target: CudaTarget | None = None) -> tuple:
+        return (spec.trace_identity(), stage, setup.trace_key(), seq_len, target_len, padded,
+                target)
 
     def excess(self, spec: ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: str,
-               target_len: int | None, padded: bool, exact: bool = True) -> Excess:
+               target_len: int | None, padded: bool, exact: bool = True,
+               target: CudaTarget | None = None) -> Excess:
         # traced with two micro-steps: one trace serves accumulating and non-accumulating setups
         # (the accumulating phases are dropped when grad_accum == 1)
-        batch = setup.micro_batch if stage == "train" else setup.eval_batch
+        batch = setup.eval_batch if stage == "eval" else setup.micro_batch
         key = self.key(spec, setup, seq_len=seq_len, stage=stage, target_len=target_len,
-                       padded=padded)
+                       padded=padded, target=target)
 
         def at(b: int) -> Excess:
             k = key + (b,)
@@ -118,7 +137,8 @@ class TraceCache:
                 s = setup.replace(micro_batch=b, eval_batch=b,
                                   grad_accum=2 if stage == "train" else 1)
                 self._store[k] = trace_excess(spec, s, seq_len=seq_len, stage=stage,
-                                              target_len=target_len, padded=padded)
+                                              target_len=target_len, padded=padded,
+                                              target=target)
             return self._store[k]
 
         if exact or batch <= 2 or key + (batch,) in self._store:
@@ -129,28 +149,29 @@ class TraceCache:
             phases = e.phases if setup.grad_accum > 1 else {
                 p: v for p, v in e.phases.items() if not p.endswith("_accum")}
             e = Excess(phases, e.categories, e.inputs // 2 * setup.grad_accum, e.seconds,
-                       e.layers, e.lower_bound)
+                       e.layers, e.lower_bound, e.sdpa_kernels, e.replays, e.replayed)
         return e
 
     def probe(self, spec: ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: str,
-              target_len: int | None, padded: bool) -> Excess:
+              target_len: int | None, padded: bool,
+              target: CudaTarget | None = None) -> Excess:
         """A train step bounded from below by its first forward alone (a forward-only trace
         costs about a third of a full one): the forward phase is exact, the backward is left
         out. The full trace instead when it is cached (or for eval)."""
         key = self.key(spec, setup, seq_len=seq_len, stage=stage, target_len=target_len,
-                       padded=padded)
+                       padded=padded, target=target)
         b = setup.micro_batch
         if stage != "train" or key + (b,) in self._store:
             return self.excess(spec, setup, seq_len=seq_len, stage=stage, target_len=target_len,
-                               padded=padded)
+                               padded=padded, target=target)
         k = key + ("forward only", b)
         if k not in self._store:
             self._store[k] = trace_excess(spec, setup.replace(grad_accum=1), seq_len=seq_len,
                                           stage=stage, target_len=target_len, padded=padded,
-                                          forward_only=True)
+                                          forward_only=True, target=target)
         e = self._store[k]
         return Excess(dict(e.phases), e.categories, e.inputs * setup.grad_accum, e.seconds,
-                      e.layers, lower_bound=True)
+                      e.layers, lower_bound=True, sdpa_kernels=e.sdpa_kernels)
 
 
 def _batch_lower_bound(e1: Excess, e2: Excess, batch: int) -> Excess:

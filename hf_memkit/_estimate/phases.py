@@ -16,11 +16,13 @@ segments, the context and cuBLAS workspaces (``_cuda``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from .._cuda import CALIBRATION, cublas_workspace
+from .._cuda import cuda_runtime
+from .._cuda_emulation import CudaTarget
 from .._device import DeviceInfo
 from .._engines import ENGINES, RankStates, StateSizes, rank_states
 from .._errors import HfMemkitError
@@ -31,12 +33,10 @@ from .._setup import TrainingSetup
 from .._techniques import TECHNIQUES
 from .._units import format_bytes
 from .activations import Excess, TraceCache, trace_excess
+from .device import device_terms
 from .result import MemoryEstimate
 
 BREAKDOWN_SUM_KEYS = ("weights", "gradients", "optimizer", "activations", "temporaries")
-# CPU estimates: relative 1-sigma of the residuals of bench/estimator_cpu.py (26 real Trainer runs:
-# std 0.22%, worst 0.97%), rounded up to 0.5% for architectures the bench does not cover.
-CPU_REL_SIGMA = 0.005
 TRACE_PHASE = {"forward": "forward", "backward": "backward", "eval forward": "eval",
                "forward (accumulating)": "forward_accum",
                "backward (accumulating)": "backward_accum"}
@@ -161,6 +161,11 @@ def _step(spec: ModelSpec, trace_spec: ModelSpec, setup: TrainingSetup, ex: Exce
     G_acc = rs.gradients if rs.accum_gradients is None else rs.accum_gradients
     if stage == "train":
         phases = _train_phases(ex, xp, rs)
+    elif stage == "forward_backward":  # a custom loop: no optimizer, so no optimizer state
+        base = rs.weights + ex.inputs + rs.buckets
+        phases = {"forward": base + rs.gathered_forward + xp["forward"]}
+        if "backward" in xp:
+            phases["backward"] = base + rs.gathered_backward + rs.grad_buffers + xp["backward"]
     else:
         phases = {"eval forward": rs.weights + ex.inputs + rs.optimizer + rs.buckets
                   + rs.gathered_forward + xp["eval"]}
@@ -202,37 +207,32 @@ def _breakdown(step: _Step, phase: str) -> dict[str, int]:
     return parts
 
 
-def _device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int],
-                  om: OptimizerMemory) -> tuple[int, int, int, float, list[str]]:
-    """(peak_allocated, peak_reserved, device_used, relative sigma, notes); adds the CUDA
-    fragmentation and context to ``parts``."""
-    if dev.kind != "cuda":
-        parts["fragmentation"] = parts["context"] = 0
-        return peak, peak, peak, CPU_REL_SIGMA, []
-    cal = CALIBRATION
-    workspace = cublas_workspace(dev.compute_capability) + cal.alloc_const
-    allocated = peak + workspace
-    parts["temporaries"] += workspace
-    parts["fragmentation"] = frag = int(cal.frag_ratio * allocated + cal.frag_const)
-    parts["context"] = cal.context
-    reserved = allocated + frag
-    return allocated, reserved, reserved + cal.context + om.paged, cal.rel_sigma, [
-        "CUDA: cuBLAS workspaces, allocator fragmentation and context from the anchor "
-        "calibration (bench/estimator_gpu_anchors.py)"]
+def _kernel_note(ex: Excess, target: CudaTarget | None) -> list[str]:
+    if target is None or not ex.sdpa_kernels:
+        return []
+    kinds = sorted(set(ex.sdpa_kernels))
+    cc = ".".join(map(str, target.compute_capability))
+    return [f"attention: CUDA's {'/'.join(kinds)} SDPA kernel (sm {cc}; "
+            "aten/src/ATen/native/transformers/cuda/sdp_utils.cpp)"]
 
 
 def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_len: int,
                  stage: str = "train", target_len: int | None = None, padded: bool = False,
                  cache: TraceCache | None = None, exact: bool = True,
-                 probe: bool = False) -> MemoryEstimate:
+                 probe: bool = False, cuda_version: str | None = None) -> MemoryEstimate:
     """``estimate_memory`` for an already resolved model and setup (the planner's entry).
     ``exact=False`` with a cache may return a lower bound (``MemoryEstimate.lower_bound``);
     ``probe=True`` with a cache bounds a train step from its forward alone."""
+    runtime = cuda_runtime(cuda_version) if dev.kind == "cuda" else None
+    target = CudaTarget.of(dev.compute_capability, runtime.version) if runtime else None
     notes = check_setup(spec, setup, dev, seq_len)
     rs, om = states_for(spec, setup, dev)
+    if stage == "forward_backward":
+        rs = dataclasses.replace(rs, optimizer=0, optimizer_transient=0)
+        om = dataclasses.replace(om, state=0, transient=0, paged=0)
     notes += _state_notes(setup, rs, om, dev)
     trace_spec, trace_setup = trace_variant(spec, setup)
-    kw = dict(seq_len=seq_len, stage=stage, target_len=target_len, padded=padded)
+    kw = dict(seq_len=seq_len, stage=stage, target_len=target_len, padded=padded, target=target)
     if cache is None:
         ex = trace_excess(trace_spec, trace_setup, **kw)
     elif probe:
@@ -242,12 +242,16 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
     # QLoRA's dequantisation temporaries are traced (_trace.SimLinear4bit); an 8-bit base is
     # traced as frozen linears of the load dtype.
     step = _step(spec, trace_spec, setup, ex, rs, stage)
-    if stage != "train":
+    if stage == "eval":
         notes += _eval_logits_note(spec, setup, seq_len, target_len)
     phase = max(step.phases, key=lambda k: step.phases[k])
     parts = _breakdown(step, phase)
-    allocated, reserved, used, rel, cuda_notes = _device_terms(dev, step.phases[phase], parts, om)
-    notes += cuda_notes
+    terms = device_terms(dev, step.phases[phase], parts, om, runtime,
+                         setup.sharding.world_size, ex=ex, spec=trace_spec, stage=stage,
+                         micro_steps=min(setup.grad_accum, 2) if stage == "train" else 1,
+                         model_states=rs.model_states, weights=rs.weights)
+    allocated, reserved, used, rel = terms.allocated, terms.reserved, terms.used, terms.rel_sigma
+    notes += terms.notes + _kernel_note(ex, target)
     if om.paged:
         parts["optimizer_paged"] = om.paged
     return MemoryEstimate(
@@ -256,4 +260,5 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
         device=dev, setup=setup, seq_len=seq_len, uncertainty=rel, notes=notes,
         trace_seconds=ex.seconds, traced_layers=ex.layers, model_states=int(rs.model_states),
         host_offloaded=int(rs.host) + technique_host_bytes(spec, setup, seq_len),
-        lower_bound=ex.lower_bound)
+        lower_bound=ex.lower_bound, cuda_version=runtime.version if runtime else None,
+        margin=terms.margin)

@@ -24,11 +24,11 @@ class MemoryEstimate:
     peak_phase: str = field(metadata={"help": "'forward', 'backward', 'forward (accumulating)', "
                                               "'backward (accumulating)', 'optimizer step' or "
                                               "'eval forward'."})
-    stage: str = field(metadata={"help": "'train' or 'eval'."})
+    stage: str = field(metadata={"help": "'train', 'eval' or 'forward_backward'."})
     device: DeviceInfo = field(repr=False, metadata={"help": "Device estimated for."})
     setup: TrainingSetup = field(repr=False, metadata={"help": "Normalised training arguments."})
     seq_len: int = field(default=0, metadata={"help": "Sequence length (the longest in a batch)."})
-    uncertainty: float = field(default=0.0, metadata={"help": "Relative 1-sigma of device_used."})
+    uncertainty: float = field(default=0.0, metadata={"help": "Relative 1-sigma: of device_used on CPU or with a user calibration; on CUDA otherwise of its part that is not model states (see margin)."})
     notes: list[str] = field(default_factory=list, metadata={"help": "What was assumed or noted."})
     model_states: int = field(default=0, metadata={
         "help": "Resident weights + gradients + optimizer state on this rank (sharded where the "
@@ -39,11 +39,21 @@ class MemoryEstimate:
     traced_layers: tuple[int, ...] = field(default=(), repr=False)
     lower_bound: bool = field(default=False, repr=False, metadata={
         "help": "True when the planner only bounded this setup from below (it did not fit)."})
+    margin: int = field(default=0, metadata={
+        "help": "2 sigma in bytes; a plan needs device_used + margin to fit (see band)."})
+    cuda_version: str | None = field(default=None, metadata={
+        "help": "The target's CUDA version the estimate assumed (None off CUDA)."})
+
+    @property
+    def upper(self) -> int:
+        """The upper end of ``band``: what a plan requires to fit (centre + margin)."""
+        return self.band[1]
 
     @property
     def band(self) -> tuple[int, int]:
-        """device_used +- 2 sigma (about a 95% band from the calibration residuals)."""
-        d = 2 * self.uncertainty * self.device_used
+        """device_used +- ``margin`` (2 sigma: about a 95% band from the calibration residuals;
+        on CUDA without a user calibration, of the part that is not model states)."""
+        d = self.margin if self.margin else 2 * self.uncertainty * self.device_used
         return int(self.device_used - d), int(self.device_used + d)
 
     def to_dict(self) -> dict[str, Any]:
@@ -54,6 +64,7 @@ class MemoryEstimate:
             "uncertainty": self.uncertainty, "notes": list(self.notes),
             "model_states": self.model_states, "host_offloaded": self.host_offloaded,
             "device": self.device.to_dict(), "setup": self.setup.to_dict(),
+            "cuda_version": self.cuda_version, "margin": self.margin,
         }
 
     def explain(self) -> str:
@@ -76,4 +87,5 @@ class MemoryEstimate:
             peak_phase=d["peak_phase"], stage=d["stage"],
             device=DeviceInfo.from_dict(d["device"]), setup=TrainingSetup.from_dict(d["setup"]),
             seq_len=d["seq_len"], uncertainty=d["uncertainty"], notes=list(d["notes"]),
-            model_states=d.get("model_states", 0), host_offloaded=d.get("host_offloaded", 0))
+            model_states=d.get("model_states", 0), host_offloaded=d.get("host_offloaded", 0),
+            cuda_version=d.get("cuda_version"), margin=d.get("margin", 0))

@@ -86,7 +86,7 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
                   num_gpus: int | None = None, method: str = "auto", headroom: float = 0.1,
                   max_memory: int | str | None = None, task: str | None = None,
                   num_nodes: int = 1, engine: str = "auto", host_memory: int | str | None = None,
-                  **constraints: Any) -> Plan:
+                  cuda_version: str | None = None, **constraints: Any) -> Plan:
     """Choose the fastest setup whose predicted ``device_used`` fits the memory budget.
 
     ``constraints`` pin TrainingArguments fields (e.g. ``optim="adamw_torch_fused"``,
@@ -96,9 +96,11 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
     CPU offload only as the last rung; ``engine="ddp"`` never shards. ``host_memory`` (bytes or
     "512GiB", per node) bounds what offload may keep in CPU RAM; planning for this machine it
     defaults to its RAM, for a catalog GPU offload is only noted with what it needs.
+    ``cuda_version``: the target's CUDA (``estimate_memory``); default the installed torch's.
     """
     req = PlanRequest(model, seq_len, target_batch_size, device, num_gpus, method, headroom,
-                      max_memory, task, num_nodes, engine, host_memory, dict(constraints))
+                      max_memory, task, num_nodes, engine, host_memory, dict(constraints),
+                      cuda_version=cuda_version)
     req.raise_problems("plan_training")
     s, cands = search_for(req)
     return _finish(s, cands, s.run(cands))

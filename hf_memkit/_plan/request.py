@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple
 
+from .._cuda import parse_cuda_version
 from .._device import DeviceInfo, probe_device, resolve_device
 from .._engines import engine_choices
 from .._errors import ConfigError, did_you_mean
@@ -69,6 +70,7 @@ class PlanRequest:
     host_memory: int | str | None = None
     constraints: dict[str, Any] = field(default_factory=dict)
     partial: bool = False
+    cuda_version: str | None = None
 
     # -- derived ------------------------------------------------------------------------------
     @property
@@ -145,6 +147,11 @@ class PlanRequest:
             v = getattr(self, name)
             if v is not None and not _positive_int(v):
                 out.append(Problem(name, f"{name} must be a positive integer, got {v!r}"))
+        if self.cuda_version is not None:
+            try:
+                parse_cuda_version(self.cuda_version)
+            except ConfigError as exc:
+                out.append(Problem("cuda_version", exc.problems[0]))
         for k in self.search:
             if k not in SEARCH_CONSTRAINTS:
                 out.append(Problem(k, f"unknown constraint `{k}`: give TrainingArguments fields "

@@ -82,9 +82,10 @@ class Plan:
         except Exception as exc:  # an override the estimator rejects: say so, do not block
             warnings.warn(f"could not re-estimate the overridden plan: {exc}", stacklevel=3)
             return
-        if est.device_used > self.budget:
+        if est.upper > self.budget:
             warnings.warn(
-                f"with these overrides the setup needs {format_bytes(est.device_used)}, over the "
+                f"with these overrides the setup needs {format_bytes(est.device_used)} (+ margin "
+                f"{format_bytes(est.upper - est.device_used)}), over the "
                 f"budget of {format_bytes(self.budget)} on {self.device.name}:\n{est.explain()}",
                 stacklevel=3)
 

@@ -41,7 +41,7 @@ def _fits(model, args, batch, seq_len, device, max_memory, headroom, kw) -> bool
         est = estimate_memory(model, a, seq_len=seq_len, device=req.dev, **kw)
     except HfMemkitError:
         return False
-    return est.device_used <= req.budget()
+    return est.upper <= req.budget()  # the upper band must fit
 
 
 def _search(fits: Callable[[int], bool], limit: int) -> int:

@@ -54,7 +54,7 @@ class Search:
         spec = self.book.get(c.method, c.precision)[0]
         return estimate_for(spec, setup or self.setup_of(c), self.req.dev,
                             seq_len=self.req.seq_len, stage=stage, cache=self.cache, exact=exact,
-                            probe=probe)
+                            probe=probe, cuda_version=self.req.cuda_version)
 
     # -- pricing and the cheap bound ----------------------------------------------------------
     def _states_setup(self, c: Candidate) -> TrainingSetup:
@@ -88,21 +88,23 @@ class Search:
         the micro-batch line) and say whether it fits; only exact estimates are accepted."""
         setup = self.setup_of(c)
         est = self.estimate(c, setup=setup, probe=True) if probe else None
-        if est is None or est.device_used <= self.budget:
+        if est is None or est.upper <= self.budget:
             est = self.estimate(c, exact=False, setup=setup)
-        if est.lower_bound and est.device_used <= self.budget:  # verify before accepting
+        if est.lower_bound and est.upper <= self.budget:  # verify before accepting
             est = self.estimate(c, setup=setup)
         return self._record(c, est)
 
     def _record(self, c: Candidate, est: MemoryEstimate) -> bool:
         c.estimate, c.device_used, c.peak_allocated = est, est.device_used, est.peak_allocated
         host = est.host_offloaded * (self.req.ranks // self.req.nodes)
-        c.fits = est.device_used <= self.budget and (self.host_budget is None
-                                                     or host <= self.host_budget)
+        # what must fit is the upper band (centre + its margin), not the centre
+        c.fits = est.upper <= self.budget and (self.host_budget is None
+                                               or host <= self.host_budget)
         if not c.fits:
             at_least = "at least " if est.lower_bound else ""
-            c.reason = (f"needs {at_least}{format_bytes(est.device_used)} > budget "
-                        f"{format_bytes(self.budget)}" if est.device_used > self.budget else
+            c.reason = (f"needs {at_least}{format_bytes(est.device_used)} (+ margin "
+                        f"{format_bytes(est.upper - est.device_used)}) > budget "
+                        f"{format_bytes(self.budget)}" if est.upper > self.budget else
                         f"offload needs {format_bytes(host)} of host RAM per node > "
                         f"{format_bytes(self.host_budget)}")
         return c.fits
@@ -147,7 +149,7 @@ class Search:
         setup = self.setup_of(chosen)
         b = 1 << (4 * chosen.micro_batch).bit_length() - 1
         while b > 1 and self.estimate(chosen, stage="eval", setup=setup.replace(
-                eval_batch=b)).device_used > self.budget:
+                eval_batch=b)).upper > self.budget:
             b //= 2
         return b
 
@@ -174,7 +176,11 @@ class Search:
                 f"the only setups that fit {dev.name} offload to CPU RAM, and {best.label()} "
                 f"{best.reason[len('offload '):]}; give host_memory= if the nodes have more RAM, "
                 f"or use more GPUs, a shorter seq_len{qlora}")
+        est = best.estimate
+        margin = "" if est is None or est.upper <= est.device_used else (
+            f" + margin {format_bytes(est.upper - est.device_used)} (the estimate's "
+            "uncertainty; `hf-memkit calibrate` on this GPU narrows it)")
         raise HfMemkitError(
-            f"needs at least {format_bytes(best.device_used)} with {best.label()} at seq "
-            f"{seq_len}; {dev.name} has {format_bytes(budget)} usable; try a shorter "
+            f"needs at least {format_bytes(best.device_used)}{margin} with {best.label()} at "
+            f"seq {seq_len}; {dev.name} has {format_bytes(budget)} usable; try a shorter "
             f"seq_len{qlora}, more GPUs or a larger GPU")

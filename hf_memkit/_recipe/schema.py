@@ -71,6 +71,9 @@ class Recipe:
                        "auto")
     host_memory: int | str | None = _key("hardware.host_memory", "CPU RAM per node that CPU "
                                          "offload may use, e.g. '512GiB'", None)
+    cuda_version: str | None = _key("hardware.cuda_version", "the target's CUDA, e.g. '12.8' "
+                                    "(default: the installed torch's); decides the context",
+                                    None)
     pins: dict[str, Any] = _key("pins", "TrainingArguments fields that override the planner "
                                 "(e.g. optim, activation_checkpointing) or just set (max_steps, "
                                 "learning_rate, logging_steps)", {})
@@ -118,7 +121,8 @@ class Recipe:
                   target_batch_size=self.target_batch_size, device=self.device,
                   num_gpus=self.num_gpus, method=self.method, headroom=self.headroom,
                   max_memory=self.max_memory, task=self.task, num_nodes=self.num_nodes,
-                  engine=self.engine, host_memory=self.host_memory, **self.pins)
+                  engine=self.engine, host_memory=self.host_memory,
+                  cuda_version=self.cuda_version, **self.pins)
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return kw
 

@@ -294,6 +294,7 @@ def _hardware_section(st: _State) -> None:
                                        "num_gpus: 1")
     _hardware_size(st, "max_memory", "20GiB")
     _hardware_size(st, "host_memory", "512GiB")
+    _hardware_cuda(st)
     nodes = flat.get("hardware.num_nodes")
     if nodes is not None:
         n_nodes = c.positive_int("hardware.num_nodes", nodes)
@@ -324,6 +325,21 @@ def _hardware_device(st: _State) -> None:
                  f"{did_you_mean(device, [*list_devices(), 'cpu'])}; allowed: 'cpu', or a "
                  f"catalog GPU: {', '.join(list_devices())} (hf-memkit devices), or omit the "
                  "key to use this machine")
+
+
+def _hardware_cuda(st: _State) -> None:
+    """``hardware.cuda_version``: 'major.minor'."""
+    from .._cuda import parse_cuda_version
+
+    v = st.flat.get("hardware.cuda_version")
+    if v is None:
+        return
+    try:
+        parse_cuda_version(v if isinstance(v, str) else "")
+        st.kw["cuda_version"] = v
+    except HfMemkitError:
+        st.c.add("hardware.cuda_version", f"expected a CUDA version such as '12.8' (quoted, "
+                                          f"major.minor), got {_describe(v)}")
 
 
 def _hardware_size(st: _State, key: str, example: str) -> None:

@@ -48,7 +48,12 @@ def estimate_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None, help="per_device_train_batch_size")
     p.add_argument("--task", default=None, metavar="TASK", choices=task_choices(),
                    help=f"head: {', '.join(task_choices(aliases=False))}")
-    p.add_argument("--stage", default="train", choices=("train", "eval"))
+    p.add_argument("--stage", default="train", choices=("train", "eval", "forward_backward"),
+                   help="forward_backward: a custom loop's forward + backward, no optimizer")
+    p.add_argument("--cuda-version", default=None, metavar="X.Y",
+                   help="the target's CUDA, e.g. 12.8 (default: the installed torch's, else "
+                        "13.0); CUDA < 11.7 or CUDA_MODULE_LOADING=EAGER loads every kernel "
+                        "into a larger context")
     p.add_argument("--dtype", default=None, help="load dtype (bfloat16 = pure bf16 training)")
     p.add_argument("--num-gpus", type=int, default=None,
                    help="data-parallel ranks: one rank's memory under DDP, or the FSDP / "
@@ -70,7 +75,8 @@ def estimate_command(args: argparse.Namespace) -> int:
     if args.max_batch or args.max_seq_len:
         from .._plan import max_batch_size, max_seq_len
 
-        kw = dict(device=args.gpu, headroom=args.headroom, task=args.task, dtype=args.dtype)
+        kw = dict(device=args.gpu, headroom=args.headroom, task=args.task, dtype=args.dtype,
+                  cuda_version=args.cuda_version)
         if args.max_batch:
             n = max_batch_size(args.model, fields, seq_len=args.seq_len, **kw)
             text = f"largest micro-batch that fits at seq_len {args.seq_len}: {n}"
@@ -84,7 +90,7 @@ def estimate_command(args: argparse.Namespace) -> int:
     try:
         est = estimate_memory(args.model, fields, seq_len=args.seq_len, device=args.gpu,
                               stage=args.stage, task=args.task, dtype=args.dtype,
-                              num_gpus=args.num_gpus)
+                              num_gpus=args.num_gpus, cuda_version=args.cuda_version)
     except ValueError as exc:
         raise HfMemkitError(str(exc)) from exc
     if args.json:

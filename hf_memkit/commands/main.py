@@ -10,9 +10,9 @@ import sys
 
 from .._errors import HfMemkitError
 from .._train import TrainingFailed
-from . import demo, devices, estimate, plan, probe, recipes, train
+from . import calibrate, demo, devices, estimate, plan, probe, recipes, train
 
-COMMANDS = (devices, probe, estimate, plan, train, recipes, demo)
+COMMANDS = (devices, probe, calibrate, estimate, plan, train, recipes, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hf-memkit",
         description="Predict, plan and watch the memory of Hugging Face training runs.",
         epilog="Examples:\n  hf-memkit devices\n  hf-memkit probe --json\n"
+               "  hf-memkit calibrate --check   # on a CUDA machine: measure this GPU\n"
                "  hf-memkit estimate Llama-3.1-8B --gpu RTX-4090 --seq-len 2048 --batch 1 bf16=true\n"
                "  hf-memkit plan Llama-3.1-8B --gpu RTX-4090 --seq-len 2048 --target-batch 32\n"
                "  hf-memkit plan recipes/llama-3.1/8b_qlora_rtx4090.yaml --json\n"

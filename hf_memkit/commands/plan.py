@@ -60,6 +60,10 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                    help="fraction of memory kept free (default 0.1)")
     p.add_argument("--task", default=None, metavar="TASK", choices=task_choices(),
                    help=f"head: {', '.join(task_choices(aliases=False))}")
+    p.add_argument("--cuda-version", default=None, metavar="X.Y",
+                   help="the target's CUDA, e.g. 12.8 (default: the installed torch's, else "
+                        "13.0); CUDA < 11.7 or CUDA_MODULE_LOADING=EAGER loads every kernel "
+                        "into a larger context")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -81,7 +85,8 @@ def plan_command(args: argparse.Namespace) -> int:
     cli = dict(device=args.gpu, num_gpus=args.num_gpus, seq_len=args.seq_len,
                target_batch_size=args.target_batch, method=args.method,
                max_memory=args.max_memory, headroom=args.headroom, task=args.task,
-               num_nodes=args.num_nodes, engine=args.engine, host_memory=args.host_memory)
+               num_nodes=args.num_nodes, engine=args.engine, host_memory=args.host_memory,
+               cuda_version=args.cuda_version)
     if is_recipe_ref(args.model):
         from .._recipe import load_recipe
 

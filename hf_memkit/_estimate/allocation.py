@@ -1,0 +1,100 @@
+"""``peak_reserved`` on CUDA: replay the traced step's allocations and frees through the model of
+the caching allocator (``_allocator``), the way a Trainer runs it:
+
+1. the weights (and the step's inputs) are allocated, then the two cuBLAS workspaces at the
+   first matmul;
+2. step 1: the traced micro-steps (activations, temporaries, gradients created in the backward);
+   then the optimizer step, which creates its state lazily (``torch.optim`` initialises
+   ``exp_avg``/``exp_avg_sq`` at the first ``step()``) into space the freed activations left,
+   then its transient buffers; then ``zero_grad(set_to_none=True)`` frees the gradients;
+3. step 2, the steady state: the same micro-steps and optimizer transients again, now with the
+   optimizer state in place. Reserved memory is never returned (no ``empty_cache``), so the peak
+   over both steps is the steady state's.
+
+The replay runs on the traced depth (2 and 3 blocks for deep models); its fragmentation
+(peak reserved - peak allocated) is extrapolated in depth like every other term. Optimizer state
+is laid out per trainable parameter in the proportion ``_optimizers`` gives for the whole model.
+Not modelled here: sharded engines' own buffers (their states are replayed unsharded) and the
+allocator's memory release when the device is nearly full (it then frees cached segments and
+retries, so reserved can stay below this figure instead of failing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from .._allocator import AllocatorConfig, ReplayStats, replay
+from .._trace_events import ALLOC, FREE, MARK
+
+Event = tuple[str, Any, int]
+
+
+def _split(events: list[Event], micro_steps: int) -> tuple[list[Event], list[Event]]:
+    """(what exists before the step: weights, inputs; the first ``micro_steps`` micro-steps)."""
+    first = next((i for i, e in enumerate(events) if e[0] == MARK), len(events))
+    body, seen = [], 0
+    for e in events[first:]:
+        if e[0] == MARK:
+            seen += 1
+            if seen > micro_steps:
+                break
+        else:
+            body.append(e)
+    return events[:first], body
+
+
+def _optimizer_events(step: int, trainable: tuple[int, ...], state_ratio: float,
+                      transient_ratio: float) -> Iterator[Event]:
+    """``optimizer.step()``: the state at the first step (two tensors per parameter for Adam's
+    moments), then the step's transient buffers, freed at its end."""
+    copies = 2 if state_ratio >= 1.5 else 1
+    if step == 1 and state_ratio > 0:
+        for i, nbytes in enumerate(trainable):
+            for j in range(copies):
+                yield ALLOC, ("state", i, j), int(nbytes * state_ratio / copies)
+    if transient_ratio > 0:
+        tmp = [("tmp", step, i) for i in range(len(trainable))]
+        for key, nbytes in zip(tmp, trainable, strict=True):
+            yield ALLOC, key, int(nbytes * transient_ratio)
+        for key in tmp:
+            yield FREE, key, 0
+
+
+def step_events(events: list[Event], trainable: tuple[int, ...], *, state_ratio: float,
+                transient_ratio: float, workspaces: tuple[int, ...] = (),
+                optimizer: bool = True, micro_steps: int = 2) -> Iterator[Event]:
+    """The event stream of two optimizer steps built from one traced step's ``events`` (its
+    first ``micro_steps`` traced micro-steps: 1 without gradient accumulation)."""
+    prefix, body = _split(events, micro_steps)
+    kept = {h for op, h, _ in prefix if op == ALLOC}
+    dropped: set = set()  # storages of the prefix the step frees (e.g. a replaced buffer)
+    yield from prefix
+    for i, nbytes in enumerate(workspaces):
+        yield ALLOC, ("cublas", i), nbytes
+    for step in (1, 2):
+        live: set = set()
+        for op, h, nbytes in body:
+            key = h if h in kept else (step, h)
+            if op == ALLOC:
+                live.add(key)
+                yield ALLOC, key, nbytes
+            elif key in live:
+                live.discard(key)
+                yield FREE, key, 0
+            elif h in kept and h not in dropped:
+                dropped.add(h)
+                yield FREE, key, 0
+        if optimizer:
+            yield from _optimizer_events(step, trainable, state_ratio, transient_ratio)
+        for key in sorted(live, key=repr):  # zero_grad(set_to_none=True): the gradients
+            yield FREE, key, 0
+
+
+def replay_step(events: list[Event], trainable: tuple[int, ...], *, state_ratio: float,
+                transient_ratio: float, workspaces: tuple[int, ...] = (), optimizer: bool = True,
+                micro_steps: int = 2, config: AllocatorConfig | None = None) -> ReplayStats:
+    return replay(step_events(events, trainable, state_ratio=state_ratio,
+                              transient_ratio=transient_ratio, workspaces=workspaces,
+                              optimizer=optimizer, micro_steps=micro_steps),
+                  config or AllocatorConfig.from_env())
