@@ -1,0 +1,276 @@
+"""The case matrix of ``bench/gpu_truth.py``: real ``transformers.Trainer`` runs on one CUDA GPU.
+
+Plain data, no torch or transformers import, so ``gpu_truth.py --list`` and the CPU tests read it
+anywhere. Models are built from configs with random weights (no downloads): bundled configs of
+``hf_memkit/model_configs`` (read as JSON here) or public ``config.json`` hyperparameters written
+below (Qwen2.5-0.5B / 1.5B, gpt2-medium, t5-base), some shortened to keep the matrix short.
+
+Sizes are picked so that the whole matrix runs in about 5 minutes on one H100 (8 minutes at
+most): 35 cases without bitsandbytes, each ~6-12 s, almost all of it the child process's start
+(imports, CUDA context, model init on the GPU); the 3 measured steps of every case take well
+under 2 s of GPU time (the largest, Qwen2.5-1.5B at 4 x 1024 tokens with checkpointing, does
+~50 TFLOP per step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "hf_memkit" / "model_configs"
+
+FAMILIES = ("llama", "qwen2", "gpt2", "bert-cls", "t5")
+PRECISIONS = ("fp32", "amp_bf16", "amp_fp16", "pure_bf16")
+METHODS = ("full", "lora", "qlora")
+STAGES = ("train", "forward_backward")
+# optimizer each method/optim needs beyond torch + transformers (+ peft for LoRA)
+OPTIM_NEEDS = {"adamw_bnb_8bit": ("bitsandbytes",)}
+METHOD_NEEDS = {"full": (), "lora": ("peft",), "qlora": ("peft", "bitsandbytes")}
+# TrainingArguments fields of each precision; pure_bf16 loads the weights in bf16 instead
+PRECISION_ARGS = {"fp32": {}, "amp_bf16": {"bf16": True}, "amp_fp16": {"fp16": True},
+                  "pure_bf16": {}}
+# attention dropout under the name each family's config uses
+DROPOUT_KEYS = ("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout", "dropout_rate")
+NF4 = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class Model:
+    """One model of the matrix: a bundled config (plus overrides) or a config written here."""
+
+    key: str = field(metadata={"help": "Short name used in case ids, e.g. 'llama-160m'."})
+    family: str = field(metadata={"help": "One of FAMILIES."})
+    task: str = field(metadata={"help": "Head: causal-lm, sequence-classification, seq2seq-lm."})
+    bundled: str | None = field(default=None, metadata={"help": "hf_memkit/model_configs name."})
+    config: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "Config fields (model_type included unless bundled); override the bundled ones."})
+    lora_targets: tuple[str, ...] = field(default=(), metadata={"help": "LoRA target modules."})
+    smoke: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "Overrides that shrink the model for --cpu-smoke (plumbing check on a CPU)."})
+
+    def config_dict(self, *, smoke: bool = False) -> dict[str, Any]:
+        """The config as a dict with ``model_type``; dtype keys dropped (each case sets it)."""
+        d: dict[str, Any] = {}
+        if self.bundled:
+            d = json.loads((MODEL_CONFIGS / f"{self.bundled}.json").read_text())
+        d.update(self.config)
+        if smoke:
+            d.update(self.smoke)
+        for k in ("torch_dtype", "dtype"):
+            d.pop(k, None)
+        return d
+
+    def attention_dropout(self) -> float | None:
+        d = self.config_dict()
+        return next((float(d[k]) for k in DROPOUT_KEYS if k in d), None)
+
+
+_LLAMA_SMOKE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                "vocab_size": 512}
+_QWEN_SMOKE = {k: v for k, v in _LLAMA_SMOKE.items() if k != "head_dim"}
+_GPT2_SMOKE = {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 512}
+_BERT_SMOKE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "vocab_size": 512}
+_T5_SMOKE = {"d_model": 64, "d_ff": 128, "d_kv": 16, "num_heads": 4, "num_layers": 2,
+             "num_decoder_layers": 2, "vocab_size": 512}
+_ATTN_LORA = ("q_proj", "k_proj", "v_proj", "o_proj")
+# Qwen2.5-0.5B / -1.5B config.json (GQA: 14/2 and 12/2 heads, tied embeddings)
+_QWEN = {"model_type": "qwen2", "vocab_size": 151936, "max_position_embeddings": 32768,
+         "tie_word_embeddings": True, "attention_dropout": 0.0, "rms_norm_eps": 1e-6}
+
+MODELS: dict[str, Model] = {m.key: m for m in (
+    # 160 M: 8 layers of width 1024, GQA 16/8 heads, untied 32k vocabulary
+    Model("llama-160m", "llama", "causal-lm",
+          config={"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816,
+                  "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 8,
+                  "vocab_size": 32000, "max_position_embeddings": 4096,
+                  "tie_word_embeddings": False, "attention_dropout": 0.0},
+          lora_targets=_ATTN_LORA, smoke=_LLAMA_SMOKE),
+    Model("llama-1.2b", "llama", "causal-lm", bundled="Llama-3.2-1B", lora_targets=_ATTN_LORA,
+          smoke=_LLAMA_SMOKE),
+    Model("qwen2-0.5b", "qwen2", "causal-lm",
+          config={**_QWEN, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+                  "num_attention_heads": 14, "num_key_value_heads": 2},
+          lora_targets=_ATTN_LORA, smoke=_QWEN_SMOKE),
+    Model("qwen2-1.5b", "qwen2", "causal-lm",
+          config={**_QWEN, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+                  "num_attention_heads": 12, "num_key_value_heads": 2},
+          lora_targets=_ATTN_LORA, smoke=_QWEN_SMOKE),
+    Model("gpt2-124m", "gpt2", "causal-lm", bundled="gpt2", smoke=_GPT2_SMOKE),
+    Model("gpt2-355m", "gpt2", "causal-lm", bundled="gpt2",  # gpt2-medium's config.json
+          config={"n_embd": 1024, "n_layer": 24, "n_head": 16}, smoke=_GPT2_SMOKE),
+    # classification head, attention dropout 0.1 (bert's own default, stated explicitly)
+    Model("bert-base-cls", "bert-cls", "sequence-classification", bundled="bert-base-uncased",
+          config={"attention_probs_dropout_prob": 0.1, "num_labels": 2}, smoke=_BERT_SMOKE),
+    Model("bert-large-cls", "bert-cls", "sequence-classification", bundled="bert-large-uncased",
+          config={"attention_probs_dropout_prob": 0.1, "num_labels": 2}, smoke=_BERT_SMOKE),
+    # t5-base's config.json (v1.0: relu FFN, tied embeddings)
+    Model("t5-220m", "t5", "seq2seq-lm",
+          config={"model_type": "t5", "d_model": 768, "d_ff": 3072, "d_kv": 64, "num_heads": 12,
+                  "num_layers": 12, "num_decoder_layers": 12, "vocab_size": 32128,
+                  "feed_forward_proj": "relu", "dropout_rate": 0.1, "tie_word_embeddings": True,
+                  "decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1,
+                  "relative_attention_num_buckets": 32, "n_positions": 512},
+          smoke=_T5_SMOKE),
+)}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured run. ``stage="forward_backward"`` is a custom loop (no Trainer, no optimizer)."""
+
+    model: str = field(metadata={"help": "Key of MODELS."})
+    precision: str = field(metadata={"help": "One of PRECISIONS."})
+    optim: str = field(default="adamw_torch", metadata={"help": "TrainingArguments.optim."})
+    batch: int = field(default=4, metadata={"help": "per_device_train_batch_size."})
+    seq_len: int = field(default=1024, metadata={"help": "Tokens per example (no padding)."})
+    target_len: int | None = field(default=None, metadata={"help": "Label length (seq2seq)."})
+    accum: int = field(default=1, metadata={"help": "gradient_accumulation_steps."})
+    ckpt: bool = field(default=False, metadata={"help": "Activation (gradient) checkpointing."})
+    attn: str | None = field(default="sdpa", metadata={
+        "help": "attn_implementation; None = the model's default."})
+    stage: str = field(default="train", metadata={"help": "One of STAGES."})
+    method: str = field(default="full", metadata={"help": "One of METHODS."})
+    steps: int = field(default=3, metadata={
+        "help": "Optimizer steps (train) or forward+backward passes; steps 2.. are measured."})
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.model not in MODELS:
+            problems.append(f"unknown model `{self.model}`; known: {', '.join(MODELS)}")
+        if self.precision not in PRECISIONS:
+            problems.append(f"precision `{self.precision}` not in {PRECISIONS}")
+        if self.stage not in STAGES or self.method not in METHODS:
+            problems.append(f"stage/method `{self.stage}`/`{self.method}` not in {STAGES}/{METHODS}")
+        if self.stage == "forward_backward" and (self.precision.startswith("amp") or self.ckpt
+                                                 or self.accum != 1 or self.method != "full"):
+            problems.append("forward_backward cases are plain fp32 / pure_bf16 full models")
+        if self.steps < 2:
+            problems.append("steps must be >= 2 (step 1 is warm-up, steps 2.. are measured)")
+        if problems:
+            raise ValueError(f"bad case {self}: " + "; ".join(problems))
+
+    @property
+    def family(self) -> str:
+        return MODELS[self.model].family
+
+    @property
+    def task(self) -> str:
+        return MODELS[self.model].task
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        """Python modules the case needs beyond torch, transformers and accelerate."""
+        extra = OPTIM_NEEDS.get(self.optim, ()) if self.stage == "train" else ()
+        return tuple(dict.fromkeys(METHOD_NEEDS[self.method] + extra))
+
+    @property
+    def id(self) -> str:
+        parts = [self.model, self.precision]
+        if self.method != "full":
+            parts.append(self.method)
+        parts.append(self.optim if self.stage == "train" else "fwd-bwd")
+        parts.append(self.attn or "default-attn")
+        if self.ckpt:
+            parts.append("ckpt")
+        if self.accum > 1:
+            parts.append(f"acc{self.accum}")
+        shape = f"b{self.batch}s{self.seq_len}" + (f"t{self.target_len}" if self.target_len else "")
+        return ".".join([*parts, shape])
+
+    def settings(self) -> dict[str, Any]:
+        """What ``--list`` shows: every setting, the family and what the case needs."""
+        return {"family": self.family, "model": self.model, "task": self.task,
+                "precision": self.precision, "method": self.method,
+                "optim": self.optim if self.stage == "train" else "none",
+                "attn": self.attn or "default", "ckpt": "on" if self.ckpt else "off",
+                "accum": self.accum, "batch": self.batch, "seq": self.seq_len,
+                "target": self.target_len or "-", "stage": self.stage, "steps": self.steps,
+                "attn_dropout": MODELS[self.model].attention_dropout(),
+                "needs": ",".join(self.needs) or "-"}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Case:
+        return cls(**d)
+
+    def lora(self) -> dict[str, Any] | None:
+        """peft.LoraConfig kwargs of a LoRA / QLoRA case, else None."""
+        if self.method == "full":
+            return None
+        return {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "bias": "none",
+                "task_type": "CAUSAL_LM", "target_modules": list(MODELS[self.model].lora_targets)}
+
+    def quantization(self) -> dict[str, Any] | None:
+        """BitsAndBytesConfig kwargs (dtype as a name) of a QLoRA case, else None."""
+        return dict(NF4) if self.method == "qlora" else None
+
+
+def _c(model: str, precision: str, optim: str = "adamw_torch", **kw: Any) -> Case:
+    return Case(model, precision, optim, **kw)
+
+
+FB = {"stage": "forward_backward"}
+T5_SHAPE = {"seq_len": 512, "target_len": 128, "attn": None}  # T5: the model's own attention
+
+CASES: tuple[Case, ...] = (
+    # llama-160m: every precision, both attentions, checkpointing, accumulation, 3 optimizers
+    _c("llama-160m", "fp32"),
+    _c("llama-160m", "fp32", attn="eager", seq_len=512),
+    _c("llama-160m", "amp_bf16", "adamw_torch_fused", batch=8),
+    _c("llama-160m", "amp_bf16", "adamw_torch_fused", batch=8, ckpt=True),
+    _c("llama-160m", "amp_fp16"),
+    _c("llama-160m", "amp_bf16", accum=4, seq_len=512),
+    _c("llama-160m", "pure_bf16", batch=8),
+    _c("llama-160m", "fp32", "adafactor", attn="eager", ckpt=True),
+    _c("llama-160m", "amp_bf16", batch=8, method="lora"),
+    _c("llama-160m", "fp32", **FB),
+    _c("llama-160m", "fp32", "adamw_bnb_8bit"),
+    _c("llama-160m", "amp_bf16", batch=8, method="qlora"),
+    _c("llama-160m", "amp_bf16", batch=8, ckpt=True, method="qlora"),
+    # Llama-3.2-1B (1.24 B)
+    _c("llama-1.2b", "amp_bf16", "adamw_torch_fused", ckpt=True),
+    _c("llama-1.2b", "pure_bf16", batch=2),
+    _c("llama-1.2b", "pure_bf16", method="lora"),
+    # Qwen2.5-0.5B (GQA 14/2, tied, 152k vocabulary)
+    _c("qwen2-0.5b", "amp_bf16", "adamw_torch_fused"),
+    _c("qwen2-0.5b", "fp32", attn="eager", batch=2, seq_len=512),
+    _c("qwen2-0.5b", "amp_fp16", "adamw_torch_fused", ckpt=True, accum=2),
+    _c("qwen2-0.5b", "pure_bf16", "adafactor"),
+    _c("qwen2-0.5b", "amp_bf16", ckpt=True, method="lora"),
+    _c("qwen2-0.5b", "pure_bf16", **FB),
+    _c("qwen2-0.5b", "amp_bf16", "adamw_bnb_8bit", ckpt=True),
+    # Qwen2.5-1.5B (1.54 B)
+    _c("qwen2-1.5b", "amp_bf16", "adamw_torch_fused", ckpt=True),
+    # gpt2 (Conv1D, tied, learned positions) and gpt2-medium
+    _c("gpt2-124m", "fp32", batch=8),
+    _c("gpt2-124m", "fp32", attn="eager", batch=8, seq_len=512),
+    _c("gpt2-124m", "amp_fp16", batch=8),
+    _c("gpt2-124m", "amp_bf16", "adafactor", batch=8, accum=2),
+    _c("gpt2-124m", "amp_bf16", "adamw_torch_fused", attn="eager", batch=8, ckpt=True),
+    _c("gpt2-355m", "pure_bf16", "adamw_torch_fused", batch=8),
+    # bert sequence classification, attention dropout 0.1
+    _c("bert-base-cls", "fp32", batch=32, seq_len=512),
+    _c("bert-base-cls", "fp32", attn="eager", batch=32, seq_len=256),
+    _c("bert-base-cls", "amp_fp16", "adamw_torch_fused", batch=32, seq_len=512),
+    _c("bert-base-cls", "amp_bf16", "adafactor", batch=32, seq_len=512, ckpt=True),
+    _c("bert-base-cls", "pure_bf16", attn="eager", batch=32, seq_len=512),
+    _c("bert-large-cls", "amp_bf16", batch=16, seq_len=512, accum=2),
+    # t5-base (encoder-decoder, 128-token labels)
+    _c("t5-220m", "fp32", batch=8, **T5_SHAPE),
+    _c("t5-220m", "amp_bf16", "adafactor", batch=16, ckpt=True, **T5_SHAPE),
+    _c("t5-220m", "amp_bf16", "adamw_torch_fused", batch=8, accum=2, **T5_SHAPE),
+)
+
+
+def select(only: list[str] | None = None) -> list[Case]:
+    """Cases whose id contains any of ``only`` (all when empty), in matrix order."""
+    if not only:
+        return list(CASES)
+    return [c for c in CASES if any(s in c.id for s in only)]
