@@ -8,7 +8,12 @@ running anything. Two baselines are shown side by side:
   * weights only, as ``accelerate estimate-memory`` reports a model's size;
   * "18 bytes/param and nothing for activations" (fp32 AdamW mixed-precision rule of thumb).
 
-Bar (issue #3): median |error| <= 3%, worst <= 8%.
+Bar (DESIGN.md quality bars): median |error| <= 1%, worst <= 3% (issue #3 asked for 3% / 8%).
+
+Deeper models: the ``llama6``/``llama8`` cases have more blocks than the estimator traces in full
+(``hf_memkit._estimate.activations.FULL_TRACE_MAX_LAYERS``), so their activations come from
+traces of 2 and 3 blocks extrapolated in depth (``EXTRAPOLATE_AT``); the measurement runs the
+whole model. Their errors are also reported on their own.
 
     python bench/estimator_cpu.py [--json results.json] [--only SUBSTRING]
 """
@@ -36,12 +41,17 @@ from transformers import (
 )
 
 import hf_memkit as mk
+from hf_memkit._estimate.activations import FULL_TRACE_MAX_LAYERS
+from hf_memkit._trace import layer_count
 from hf_memkit._units import MiB
 from hf_memkit.testing.groundtruth import measure_trainer_peak
 
 LLAMA = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                     num_attention_heads=4, num_key_value_heads=2, vocab_size=8000,
                     tie_word_embeddings=False)
+# the same blocks, deeper than FULL_TRACE_MAX_LAYERS: the estimate extrapolates from 2/3 blocks
+LLAMA6 = LlamaConfig(**{**LLAMA.to_dict(), "num_hidden_layers": 6})
+LLAMA8 = LlamaConfig(**{**LLAMA.to_dict(), "num_hidden_layers": 8})
 QWEN = Qwen2Config(hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                    num_attention_heads=8, num_key_value_heads=2, vocab_size=8000,
                    tie_word_embeddings=True)
@@ -89,6 +99,12 @@ CASES = [
     case("llama qlora bf16 ckpt", LLAMA, b(4, optim="adamw_torch", bf16=True,
                                            gradient_checkpointing=True), 512, lora=LORA,
          quant=NF4, dtype="bfloat16"),
+    # llama deeper than FULL_TRACE_MAX_LAYERS (extrapolated in depth)
+    case("llama8 fp32 adamw sdpa", LLAMA8, b(4, optim="adamw_torch"), 512),
+    case("llama8 fp32 adamw ckpt", LLAMA8, b(4, optim="adamw_torch",
+                                            gradient_checkpointing=True), 512),
+    case("llama6 bf16 fused eager", LLAMA6, b(4, optim="adamw_torch_fused", bf16=True), 256,
+         attn="eager"),
     # qwen2 (GQA, tied head)
     case("qwen2 fp32 lion8bit", QWEN, b(4, optim="lion_8bit"), 512),
     case("qwen2 bf16 fused accum2", QWEN, b(4, optim="adamw_torch_fused", bf16=True,
@@ -150,31 +166,31 @@ def measure(c):
     return measure_trainer_peak(spec)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="write per-case results here")
-    ap.add_argument("--only", help="run cases whose name contains this")
-    a = ap.parse_args(argv)
-    cases = [c for c in CASES if not a.only or a.only in c["name"]]
-    rows = []
-    console = Console(width=150)
-    for c in cases:
-        t0 = time.perf_counter()
-        e = predict(c)
-        t_est = time.perf_counter() - t0
-        m = measure(c)
-        prof = mk.profile_model(c["config"], task=c["task"])
-        weights_only = prof.total_params * (2 if c["dtype"] == "bfloat16" else 4)
-        rule18 = 18 * prof.total_params
-        row = dict(name=c["name"], measured=m["peak"], predicted=e.peak_allocated,
-                   err=e.peak_allocated / m["peak"] - 1,
-                   weights_only_err=weights_only / m["peak"] - 1,
-                   rule18_err=rule18 / m["peak"] - 1,
-                   activation_share=e.breakdown["activations"] / e.peak_allocated,
-                   phase=e.peak_phase, estimate_s=t_est)
-        rows.append(row)
-        console.print(f"{row['name']:32s} measured {m['peak'] / MiB:8.2f} MiB  predicted "
-                      f"{e.peak_allocated / MiB:8.2f} MiB  error {100 * row['err']:+6.2f}%")
+def run_case(c, console) -> dict:
+    """Estimate, measure and compare one case."""
+    t0 = time.perf_counter()
+    e = predict(c)
+    t_est = time.perf_counter() - t0
+    m = measure(c)
+    prof = mk.profile_model(c["config"], task=c["task"])
+    weights_only = prof.total_params * (2 if c["dtype"] == "bfloat16" else 4)
+    rule18 = 18 * prof.total_params
+    row = dict(name=c["name"], measured=m["peak"], predicted=e.peak_allocated,
+               err=e.peak_allocated / m["peak"] - 1,
+               weights_only_err=weights_only / m["peak"] - 1,
+               rule18_err=rule18 / m["peak"] - 1,
+               activation_share=e.breakdown["activations"] / e.peak_allocated,
+               phase=e.peak_phase, estimate_s=t_est, layers=layer_count(c["config"]),
+               traced_layers=list(e.traced_layers))
+    row["extrapolated"] = row["layers"] > FULL_TRACE_MAX_LAYERS
+    console.print(f"{row['name']:32s} measured {m['peak'] / MiB:8.2f} MiB  predicted "
+                  f"{e.peak_allocated / MiB:8.2f} MiB  error {100 * row['err']:+6.2f}%"
+                  + (f"  ({row['layers']} layers, traced {row['traced_layers']})"
+                     if row["extrapolated"] else ""))
+    return row
+
+
+def print_table(rows, console) -> None:
     t = Table(title="estimate_memory vs measured peak (CPU, real Trainer, RSS method)")
     for col in ("case", "measured MiB", "predicted MiB", "error", "weights-only err",
                 "18 B/param err", "activations", "peak phase", "estimate s"):
@@ -185,24 +201,43 @@ def main(argv=None):
                   f"{100 * r['rule18_err']:+.0f}%", f"{100 * r['activation_share']:.0f}%",
                   r["phase"], f"{r['estimate_s']:.2f}")
     console.print(t)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write per-case results here")
+    ap.add_argument("--only", help="run cases whose name contains this")
+    a = ap.parse_args(argv)
+    cases = [c for c in CASES if not a.only or a.only in c["name"]]
+    console = Console(width=150)
+    rows = [run_case(c, console) for c in cases]
+    print_table(rows, console)
     errs = [abs(r["err"]) for r in rows]
     base_w = [abs(r["weights_only_err"]) for r in rows]
     base_18 = [abs(r["rule18_err"]) for r in rows]
     act_heavy = sum(r["activation_share"] >= 0.5 for r in rows)
+    deep = [abs(r["err"]) for r in rows if r["extrapolated"]]
     summary = dict(cases=len(rows), median_abs_err=statistics.median(errs), worst_abs_err=max(errs),
                    weights_only_median_abs_err=statistics.median(base_w),
                    rule18_median_abs_err=statistics.median(base_18),
-                   activation_heavy_cases=act_heavy)
+                   activation_heavy_cases=act_heavy, extrapolated_cases=len(deep),
+                   extrapolated_median_abs_err=statistics.median(deep) if deep else None,
+                   extrapolated_worst_abs_err=max(deep) if deep else None)
     console.print(
         f"{len(rows)} cases: hf_memkit median |error| {100 * summary['median_abs_err']:.2f}%, "
-        f"worst {100 * summary['worst_abs_err']:.2f}% (bar: 3% / 8%); weights-only median "
+        f"worst {100 * summary['worst_abs_err']:.2f}% (bar: 1% / 3%); weights-only median "
         f"{100 * summary['weights_only_median_abs_err']:.0f}%, 18 B/param median "
         f"{100 * summary['rule18_median_abs_err']:.0f}%; {act_heavy}/{len(rows)} cases have "
         "activations >= 50% of the peak")
+    if deep:
+        console.print(
+            f"{len(deep)} cases deeper than FULL_TRACE_MAX_LAYERS={FULL_TRACE_MAX_LAYERS} "
+            f"(extrapolated from 2/3-block traces): median |error| {100 * statistics.median(deep):.2f}%, "
+            f"worst {100 * max(deep):.2f}%")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"summary": summary, "rows": rows}, f, indent=2)
-    ok = summary["median_abs_err"] <= 0.03 and summary["worst_abs_err"] <= 0.08
+    ok = summary["median_abs_err"] <= 0.01 and summary["worst_abs_err"] <= 0.03
     return 0 if ok else 1
 
 

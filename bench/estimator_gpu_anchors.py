@@ -1,31 +1,58 @@
 """Compare the estimator's CUDA predictions with published GPU measurements
 (shared/anchors/published_gpu_cases.yaml), each against the figure it measures
-(torch max_memory_allocated, max_memory_reserved, or NVML).
+(torch max_memory_allocated, max_memory_reserved, or NVML), reported separately per figure.
 
-    python bench/estimator_gpu_anchors.py [--json PATH] [--only SUBSTR]
+    python bench/estimator_gpu_anchors.py [--json PATH] [--only SUBSTR] [--no-fit]
+
+Exit status 0 only when the headline meets the bar (every holdout row, without reconstruction
+terms, within 10%).
 
 Usable cases
 ------------
 * the ``sdpa_*`` rows (transformers model-doc SDPA training benchmarks, fxmarty's script: pure fp16
   weights, ``out = model(**inputs); out.logits.sum().backward()``, grads set to None, no
   optimizer; figure = max_memory_allocated in MB = 1e6 B), minus OOM-only rows and the two
-  opt-350m sdpa rows flagged as copy errors;
-* ``hf_perf_cuda_context_overhead`` (NVML, defines ``_cuda.CONTEXT_EAGER_LOADING``; fit half) and
-  ``hf_perf_bert_large_weights_loaded`` (NVML = that context + fp32 weights placed in allocator
-  segments; holdout).
+  opt-350m sdpa rows flagged as copy errors: 63 allocated rows;
+* ``hf_perf_bert_large_weights_loaded`` (NVML = context + fp32 weights placed in allocator
+  segments);
+* ``hf_perf_cuda_context_overhead`` (NVML) is listed but kept OUT of every statistic: its value
+  defines the constant ``_cuda.CONTEXT_EAGER_LOADING``, so comparing against it is circular.
+No usable anchor measures max_memory_reserved: the reserved group is empty (n = 0).
 Everything else is listed with its reason for exclusion.
 
 Fit / holdout
 -------------
-Split by CRC32 of the case id (even: fit, odd: holdout): deterministic, and it mixes both models,
-both attention kinds and all shapes into each half (the file order alternates eager/sdpa, so id
-parity by position would not). Only ``CudaCalibration.alloc_const`` is fitted (median residual
-of the fit half) and ``rel_sigma`` (std of the fit half's relative residuals); nothing is keyed on
-model_type in ``_cuda.py``. No usable anchor measures max_memory_reserved or NVML during
-training, so ``frag_ratio``, ``frag_const`` and ``context`` (lazy module loading) stay unfitted.
+Every row, NVML included, goes to a half by ``_anchors.half_of``: CRC32 of the case id, even ->
+fit, odd -> holdout. The fit set is (batch x seq):
 
-The systematic gap (what we concluded)
---------------------------------------
+* pythia-410m eager: 1x128 1x1024 2x128 4x256 4x512
+* pythia-410m sdpa:  1x256 1x512 1x2048 2x256 2x512 2x1024 4x128 4x1024
+* opt-350m eager:    1x256 1x512 1x2048 2x256 2x512 2x1024 4x128 4x1024 8x256 8x512 8x1024
+* opt-350m sdpa:     1x128 1x1024 2x128 2x2048 4x256 4x512 8x128
+* NVML: hf_perf_bert_large_weights_loaded (and the context row, which is out of the statistics)
+
+so the fit half has 31 allocated + 2 NVML rows (one of them the context row) and the holdout
+has 32 allocated rows and no NVML row. For every shape here, the eager and the sdpa row of one
+model land in opposite halves (CRC32 is affine over GF(2) and the two ids differ in the same
+place), so a holdout row's shape has always been seen in the fit half with the other kernel.
+
+What is fitted, and what is not a holdout test:
+* ``CudaCalibration.alloc_const`` is the one fitted constant (median residual of the fit half's
+  allocated rows, with the reconstruction terms). It is 3.6 MiB against peaks of 1.5-34 GB; the
+  bench prints what setting it to 0 changes.
+* The reconstruction terms (``_anchors.sdpa_terms``: the script's retained ``out``, the GPT-NeoX
+  4.4x branch, OPT's ``torch.max``) were DESIGNED by looking at the gap over ALL 63 rows, holdout
+  included. The "with terms" figures are therefore not a holdout test of anything; only the
+  "no terms" figures (the estimator's own trace + CUDA terms) are evidence, and the HOLDOUT half
+  of those is the headline.
+* ``rel_sigma`` for CUDA estimates (``_cuda.CudaCalibration.rel_sigma``) is the RMS of the FIT
+  half's residuals relative to the part that is not model states (weights and gradients are
+  exact), with the script's retained ``out`` (the workload) but no transformers-4.4x term;
+  printed as "rel_sigma of the non-model-state part". The total-relative std of the no-terms
+  rows is printed too.
+
+The systematic gap (what we concluded, reading all 63 rows: hypotheses, not holdout-tested)
+---------------------------------------------------------------------------------------------
 Tracing transformers 5.23 code for pythia-410m fp16 sdpa bs1 s128 gives a peak of 1621.6 MB
 (= weights 810.7 + grads 810.7, at the end of the backward) against 1789.95 MB published. Over
 the 63 allocated rows the gap is neither constant nor proportional to the weights; it is
@@ -68,84 +95,210 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _anchors import exclusion, load_cases, predict  # noqa: E402
+from _anchors import DEFINES_CONSTANT, MODELS, exclusion, load_cases, predict  # noqa: E402
 
 from hf_memkit import _cuda  # noqa: E402
 
+FIGURES = ("allocated", "reserved", "nvml")
+HALVES = ("fit", "holdout")
+
 
 def fit(rows) -> _cuda.CudaCalibration:
-    """alloc_const = median residual of the fit half's allocated rows; rel_sigma = std of the fit
-    half's relative residuals after that."""
+    """alloc_const = median residual of the fit half's allocated rows (predicted with the
+    reconstruction terms: the constant stands for what is left once the script's and the old
+    code's tensors are accounted for)."""
     alloc = [r for r in rows if r.half == "fit" and r.figure == "allocated"]
     const = int(statistics.median(r.published - (r.predicted - r.detail["alloc_const"])
                                   for r in alloc)) if alloc else 0
-    cal = dataclasses.replace(_cuda.CALIBRATION, alloc_const=max(0, const))
-    rel = [((r.predicted - r.detail["alloc_const"] + cal.alloc_const) - r.published) / r.published
-           for r in alloc]
-    rel_sigma = statistics.pstdev(rel) if len(rel) > 1 else cal.rel_sigma
-    return dataclasses.replace(cal, rel_sigma=round(rel_sigma, 4))
+    return dataclasses.replace(_cuda.CALIBRATION, alloc_const=max(0, const))
 
 
-def summarize(rows, half):
-    errs = [abs(r.err) for r in rows if r.half == half]
-    if not errs:
-        return "n/a"
-    return (f"{len(errs)} cases, median |err| {statistics.median(errs) * 100:.1f}%, worst "
-            f"{max(errs) * 100:.1f}%, within 10%: {sum(e <= 0.10 for e in errs)}/{len(errs)}")
+def counted(rows):
+    """The rows that are evidence (the context row defines a constant: never counted)."""
+    return [r for r in rows if r.id not in DEFINES_CONSTANT]
+
+
+def stats(rows) -> dict:
+    """n, median |err|, worst (signed) err, within-10% count, under-prediction count."""
+    if not rows:
+        return {"n": 0}
+    errs = [r.err for r in rows]
+    worst = max(errs, key=abs)
+    return {"n": len(errs), "median_abs": statistics.median(abs(e) for e in errs),
+            "worst": worst, "worst_id": rows[errs.index(worst)].id,
+            "within_10": sum(abs(e) <= 0.10 for e in errs), "under": sum(e < 0 for e in errs)}
+
+
+def fmt(st: dict) -> str:
+    if not st["n"]:
+        return "n=0 (no usable row)"
+    return (f"n={st['n']:2d}  median |err| {st['median_abs'] * 100:5.1f}%  worst "
+            f"{st['worst'] * 100:+6.1f}%  within 10%: {st['within_10']:2d}/{st['n']:<2d}  "
+            f"under-predicted: {st['under']:2d}/{st['n']}")
+
+
+VARIANTS = {
+    "none": "WITHOUT reconstruction terms (the estimator's own account)",
+    "script": "with the benchmark script's retained `out` only (fp16 logits + fp16 k/v, which "
+              "transformers 5 would keep too), no transformers-4.4x term; designed on all rows",
+    "all": "WITH all reconstruction terms (designed on all rows: not a holdout test)"}
+
+
+def with_script_out(rows):
+    """The no-terms rows plus the version-independent part of the script's retained ``out``."""
+    return [dataclasses.replace(r, predicted=r.predicted + r.detail.get("script_out_base", 0))
+            for r in rows]
+
+
+def group_stats(by_variant) -> dict:
+    """{variant: {figure: {half: stats}}} over the counted rows."""
+    return {v: {f: {h: stats([r for r in counted(rows) if r.figure == f and r.half == h])
+                    for h in HALVES} for f in FIGURES} for v, rows in by_variant.items()}
+
+
+def rel_sigma(rows) -> dict:
+    """Relative residuals of the FIT half's allocated rows without reconstruction terms."""
+    rel = [r.err for r in counted(rows) if r.half == "fit" and r.figure == "allocated"
+           and not r.reconstructed]
+    if len(rel) < 2:
+        return {"n": len(rel)}
+    a = sorted(abs(e) for e in rel)
+    return {"n": len(rel), "std": statistics.pstdev(rel), "mean": statistics.fmean(rel),
+            "rms": statistics.fmean(e * e for e in rel) ** 0.5,
+            "p95_abs": statistics.quantiles(a, n=20, method="inclusive")[-1]}
+
+
+def nonstate_sigma(rows, half: str = "fit") -> dict:
+    """What ``_cuda.CudaCalibration.rel_sigma`` is: RMS of (predicted - published) / (published -
+    weights - gradients) over one half's allocated rows (fp16 weights and gradients: 4 B per
+    parameter, exact from the parameter list; the uncertain part is the rest)."""
+    from hf_memkit import profile_model
+
+    states = {}
+    rel = []
+    for r in counted(rows):
+        if r.half != half or r.figure != "allocated" or not r.id.startswith("sdpa_"):
+            continue
+        name = next(n for n in MODELS.values() if n.replace("-", "") in r.id)
+        if name not in states:
+            states[name] = 4 * profile_model(name).total_params
+        rel.append((r.predicted - r.published) / (r.published - states[name]))
+    if not rel:
+        return {"n": 0}
+    return {"n": len(rel), "rms": statistics.fmean(e * e for e in rel) ** 0.5, "worst": min(rel)}
+
+
+def print_rows(rows_t, rows_n, excluded) -> None:
+    print(f"{'case':40s} {'figure':9s} {'half':7s} {'published':>10s} {'w/ terms':>10s} "
+          f"{'err':>7s} {'no terms':>10s} {'err':>7s}")
+    for t, n in zip(rows_t, rows_n, strict=True):
+        mark = f"  (defines {DEFINES_CONSTANT[t.id]}: not counted)" if t.id in DEFINES_CONSTANT \
+            else ""
+        print(f"{t.id:40s} {t.figure:9s} {t.half:7s} {t.published / 1e6:8.1f}MB "
+              f"{t.predicted / 1e6:8.1f}MB {t.err * 100:+6.1f}% {n.predicted / 1e6:8.1f}MB "
+              f"{n.err * 100:+6.1f}%{mark}")
+    print(f"\nexcluded ({len(excluded)}):")
+    for cid, why in excluded:
+        print(f"  {cid:55s} {why}")
+
+
+def print_groups(groups, zero_groups) -> None:
+    for v, label in VARIANTS.items():
+        print(f"\n{label}:")
+        for f in FIGURES:
+            for h in HALVES:
+                print(f"  {f:9s} {h:7s} {fmt(groups[v][f][h])}")
+    print("\nalloc_const = 0 instead of the fitted value (the fitted constant's whole effect):")
+    for v in zero_groups:
+        for f in FIGURES:
+            for h in HALVES:
+                a, b = groups[v][f][h], zero_groups[v][f][h]
+                if a["n"] and a != b:
+                    print(f"  terms={v:6s} {f:9s} {h:7s} {fmt(b)}")
+    print("  (groups not listed are unchanged)")
+
+
+def kind_of(row) -> str:
+    """model x attention kind of an sdpa_* row ("pythia410m eager"), else the figure."""
+    parts = row.id.split("_")
+    return f"{parts[1]} {parts[2]}" if row.id.startswith("sdpa_") else row.figure
+
+
+def print_by_kind(rows, half: str = "holdout") -> dict:
+    """Per model x attention kind, one half: median |err| and the signed range, per variant."""
+    out = {}
+    print(f"\n{half} half per model x attention kind (median |err|, min .. max err):")
+    kinds = sorted({kind_of(r) for r in counted(rows["none"]) if r.half == half})
+    for k in kinds:
+        line = []
+        for v in VARIANTS:
+            e = [r.err for r in counted(rows[v]) if r.half == half and kind_of(r) == k]
+            out.setdefault(v, {})[k] = {"n": len(e), "median_abs": statistics.median(map(abs, e)),
+                                        "min": min(e), "max": max(e)}
+            line.append(f"{v} {statistics.median(map(abs, e)) * 100:4.1f}% "
+                        f"({min(e) * 100:+5.1f}..{max(e) * 100:+5.1f})")
+        print(f"  {k:18s} n={len(e):2d}  " + "   ".join(line))
+    return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--json", type=Path, help="write all rows and figures here")
     ap.add_argument("--only", help="only cases whose id contains this")
     ap.add_argument("--no-fit", action="store_true",
-                    help="use the CudaCalibration in _cuda.py as is (no refit)")
+                    help="use the CudaCalibration in _cuda.py as is (no refit of alloc_const)")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
-    cases = load_cases()
     usable, excluded = [], []
-    for c in cases:
+    for c in load_cases():
         if a.only and a.only not in c["id"]:
             continue
         why = exclusion(c)
         (excluded.append((c["id"], why)) if why else usable.append(c))
-    rows = [predict(c) for c in usable]
-    cal = _cuda.CALIBRATION if a.no_fit else fit(rows)
-    rows = [predict(c, cal) for c in usable]
+    cal = _cuda.CALIBRATION if a.no_fit else fit([predict(c) for c in usable])
+    cal0 = dataclasses.replace(cal, alloc_const=0)
+    rows = {v: [predict(c, cal, reconstruct=v == "all") for c in usable] for v in ("none", "all")}
+    rows["script"] = with_script_out(rows["none"])
+    rows0 = {v: [predict(c, cal0, reconstruct=v == "all") for c in usable] for v in ("none", "all")}
+    groups, zero_groups = group_stats(rows), group_stats(rows0)
 
-    print(f"{'case':40s} {'figure':9s} {'published':>12s} {'predicted':>12s} {'err%':>7s}  half")
-    for r in rows:
-        print(f"{r.id:40s} {r.figure:9s} {r.published / 1e6:10.1f}MB {r.predicted / 1e6:10.1f}MB "
-              f"{r.err * 100:+6.1f}%  {r.half}")
-    print(f"\nexcluded ({len(excluded)}):")
-    for cid, why in excluded:
-        print(f"  {cid:55s} {why}")
-    within = sum(abs(r.err) <= 0.10 for r in rows)
-    print(f"\ncalibration ({'_cuda.py as is' if a.no_fit else 'refit on the fit half'}): alloc_const={cal.alloc_const} B ({cal.alloc_const / 2**20:.2f} MiB), "
-          f"rel_sigma={cal.rel_sigma}; fixed: cublas_workspace(sm_86/89)="
+    print_rows(rows["all"], rows["none"], excluded)
+    print(f"\ncalibration ({'_cuda.py as is' if a.no_fit else 'alloc_const refit on the fit half'}"
+          f"): alloc_const={cal.alloc_const} B ({cal.alloc_const / 2**20:.2f} MiB; _cuda.py has "
+          f"{_cuda.CALIBRATION.alloc_const} B); fixed: cublas_workspace(sm_86/89)="
           f"{_cuda.cublas_workspace((8, 6))} B, CONTEXT_EAGER_LOADING="
           f"{_cuda.CONTEXT_EAGER_LOADING // 2**20} MiB")
-    print(f"fit half:     {summarize(rows, 'fit')}")
-    print(f"holdout half: {summarize(rows, 'holdout')}")
-    print(f"all usable:   {within}/{len(rows)} within 10%  ({time.perf_counter() - t0:.0f} s)")
-    # Transparency: the sdpa_* rows ran transformers 4.4x model code; the terms that reconstruct
-    # that old code (keyed on the architecture, in bench/_anchors.py) are not part of the
-    # estimator. Show how far the estimator's own trace of transformers 5 code lands without them.
-    raw = []
-    for r in rows:
-        if "old_code" in r.detail:
-            legacy = r.detail["old_code"] + r.detail["old_code_static"]
-            raw.append(abs((r.predicted - legacy - r.published) / r.published))
-    if raw:
-        print(f"without the transformers-4.4x reconstruction terms: {len(raw)} sdpa rows, median "
-              f"|err| {statistics.median(raw) * 100:.1f}%, worst {max(raw) * 100:.1f}%, within "
-              f"10%: {sum(e <= 0.10 for e in raw)}/{len(raw)}")
+    print_groups(groups, zero_groups)
+    sig = rel_sigma(rows["none"])
+    if sig["n"] >= 2:
+        print(f"\nrel_sigma (fit half, no terms): {sig['std']:.4f}")
+        print(f"  n={sig['n']} allocated rows; 95th percentile of |err| {sig['p95_abs']:.4f}; "
+              f"mean err {sig['mean']:+.4f}, rms {sig['rms']:.4f} (a std around a biased mean "
+              "understates the band when the mean is far from 0)")
+    ns = {h: nonstate_sigma(rows["script"], h) for h in HALVES}
+    if ns["fit"]["n"]:
+        print(f"\nrel_sigma of the non-model-state part ('script' variant), the value _cuda.py "
+              f"uses: fit {ns['fit']['rms']:.3f} (n={ns['fit']['n']}), holdout "
+              f"{ns['holdout']['rms']:.3f} (worst {ns['holdout']['worst']:+.3f}); _cuda.py has "
+              f"{_cuda.CALIBRATION.rel_sigma}")
+    by_kind = print_by_kind(rows)
+    head = {f: groups["none"][f]["holdout"] for f in FIGURES}
+    print("\nHEADLINE (holdout half, no reconstruction terms):")
+    for f in FIGURES:
+        print(f"  {f:9s} {fmt(head[f])}")
+    print(f"({time.perf_counter() - t0:.0f} s)")
     if a.json:
         a.json.write_text(json.dumps({
-            "rows": [r.to_dict() for r in rows],
+            "rows": {v: [r.to_dict() for r in rs] for v, rs in rows.items()},
+            "rows_alloc_const_0": {v: [r.to_dict() for r in rs] for v, rs in rows0.items()},
+            "groups": groups, "groups_alloc_const_0": zero_groups,
+            "variants": VARIANTS,
+            "rel_sigma_fit_no_terms": sig, "headline_holdout_no_terms": head,
+            "rel_sigma_nonstate_script": ns,
+            "holdout_by_kind": by_kind,
             "excluded": [{"id": i, "reason": w} for i, w in excluded],
             "calibration": dataclasses.asdict(cal)}, indent=1))
-    return 0 if within == len(rows) else 1
+    return 0 if all(st["n"] == st.get("within_10", 0) for st in head.values()) else 1
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-CASES = [("Llama-3.1-70B", "H100-80GB", 4096, 16), ("Llama-3.1-8B", "RTX-4090", 2048, 32)]
+CASES = [("Llama-3.1-70B", "H100-80GB", 2048, 16), ("Llama-3.1-8B", "RTX-4090", 2048, 32)]
 BAR, GOAL = 5.0, 3.0
 
 CHILD = r"""
