@@ -91,8 +91,9 @@ def estimate_table(est) -> Table:
     s = est.setup
     amp = s.amp or "fp32"
     title = (f"{est.stage} step on {est.device.name}: micro-batch "
-             f"{s.micro_batch if est.stage == 'train' else s.eval_batch} x seq {est.seq_len}, "
-             f"accumulation {s.grad_accum}, {amp}, optim {s.optim}"
+             f"{s.eval_batch if est.stage == 'eval' else s.micro_batch} x seq {est.seq_len}, "
+             + (f"{amp}, no optimizer (forward + backward)" if est.stage == "forward_backward"
+                else f"accumulation {s.grad_accum}, {amp}, optim {s.optim}")
              + (", checkpointing" if s.checkpointing else ""))
     t = Table(title=title)
     t.add_column("memory", style="bold")

@@ -78,6 +78,7 @@ class Plan:
         try:
             est = estimate_memory(self.model_name, args, seq_len=self.seq_len, device=self.device,
                                   num_gpus=self.num_gpus if self.num_gpus > 1 else None,
+                                  cuda_version=self.chosen.estimate.cuda_version,
                                   **ser.estimate_kwargs(self.model_kwargs, self.peft_config))
         except Exception as exc:  # an override the estimator rejects: say so, do not block
             warnings.warn(f"could not re-estimate the overridden plan: {exc}", stacklevel=3)
