@@ -16,7 +16,7 @@ from .._optimizers import OptimizerMemory
 from .._trace import layer_count
 from .._units import format_bytes
 from .activations import Excess
-from .allocation import replay_step
+from .allocation import canonical, deepen, replay_step
 
 # CPU estimates: relative 1-sigma of the residuals of bench/estimator_cpu.py (26 real Trainer runs:
 # std 0.22%, worst 0.97%), rounded up to 0.5% for architectures the bench does not cover.
@@ -45,33 +45,35 @@ def user_calibration(dev: DeviceInfo, runtime: CudaRuntime) -> Calibration | Non
 
 
 def fragmentation(ex: Excess, spec: ModelSpec, om: OptimizerMemory, workspaces: tuple[int, ...],
-                  stage: str, micro_steps: int = 1, allocated: int = 0, weights: int = 0) -> int:
-    """Peak reserved - peak allocated of the replayed step, scaled to the model (0 for a lower
-    bound, which has no events). A model traced at full depth takes its replay's figure. A deep
-    model traced at 2 and 3 blocks takes the deeper replay's fragmentation relative to what it
-    allocates beyond its weights (the weights are allocated once, first, and never move), times
-    the same for the model: which cached block a request lands in is discrete, so the difference
-    between two shallow replays is noise that a linear extrapolation in depth would multiply by
-    the layer count, and a 2-3 block model is mostly embedding and head, so a ratio of its whole
-    allocation would misweigh a deep model's weights."""
+                  stage: str, micro_steps: int = 1) -> int:
+    """Peak reserved - peak allocated of the replayed step (0 for a lower bound, which has no
+    events). A model traced at full depth replays its own events; a deep model traced at 2 and 3
+    blocks replays the stream ``allocation.deepen`` builds for its full depth (which cached block
+    a request lands in is discrete, so neither a line through the two shallow replays nor their
+    ratio transfers to the deep model)."""
     if not ex.replays or ex.lower_bound:
         return 0
-    trainable = sum(p.nbytes for p in spec.states()[1]) or 1
+    states = spec.states()[1]
+    trainable = sum(p.nbytes for p in states) or 1
     state, transient = om.state / trainable, om.transient / trainable
     config = AllocatorConfig.from_env()
     key = (round(state, 6), round(transient, 6), workspaces, config, stage, micro_steps)
     if key not in ex.replayed:
-        ex.replayed[key] = {
-            n: (s.peak_reserved - s.peak_allocated, s.peak_allocated - w)
-            for n, events, params, w in ex.replays
-            for s in [replay_step(events, params, state_ratio=state, transient_ratio=transient,
-                                  workspaces=workspaces, optimizer=stage == "train",
-                                  micro_steps=micro_steps, config=config)]}
-    frag = ex.replayed[key]
-    if len(frag) == 1 and next(iter(frag)) == layer_count(spec.config):
-        return max(0, next(iter(frag.values()))[0])
-    f, a = frag[max(frag)]
-    return max(0, int(f / a * max(0, allocated - weights))) if a > 0 else 0
+        full = layer_count(spec.config)
+        reps = sorted(ex.replays, key=lambda r: r[0])
+        (n1, ev1, _, _), (n2, ev2, params, _) = reps[0], reps[-1]
+        if "events" not in ex.replayed:  # the same for every optimizer and stage
+            ev1, ev2 = canonical(ev1), canonical(ev2)
+            ex.replayed["events"] = ev2 if n2 == full or n1 == n2 else \
+                deepen(ev1, ev2, full - n2)
+        events = ex.replayed["events"]
+        if n2 != full and n1 != n2:
+            params = tuple(p.nbytes for p in states)
+        s = replay_step(events, params, state_ratio=state, transient_ratio=transient,
+                        workspaces=workspaces, optimizer=stage == "train",
+                        micro_steps=micro_steps, config=config)
+        ex.replayed[key] = s.peak_reserved - s.peak_allocated
+    return max(0, ex.replayed[key])
 
 
 def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: OptimizerMemory,
@@ -92,8 +94,7 @@ def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: Optimize
     workspaces = (per_thread, per_thread)
     allocated = peak + 2 * per_thread + CALIBRATION.alloc_const
     parts["temporaries"] += allocated - peak
-    parts["fragmentation"] = frag = fragmentation(ex, spec, om, workspaces, stage, micro_steps,
-                                                  allocated, weights)
+    parts["fragmentation"] = frag = fragmentation(ex, spec, om, workspaces, stage, micro_steps)
     nccl = nccl_buffers(ranks, dev.interconnect)
     context = cal.context if cal is not None else runtime.context
     parts["context"] = context + nccl
