@@ -171,7 +171,8 @@ class Search:
             raise HfMemkitError("no setup could be estimated for this model")
         dev, budget, seq_len = self.req.dev, self.budget, self.req.seq_len
         qlora = "" if "qlora" in {c.method for c in candidates} else ", method='qlora'"
-        if best.reason.startswith("offload needs") and best.device_used <= budget:
+        fits_device = best.estimate is not None and best.estimate.upper <= budget
+        if best.reason.startswith("offload needs") and fits_device:
             raise HfMemkitError(
                 f"the only setups that fit {dev.name} offload to CPU RAM, and {best.label()} "
                 f"{best.reason[len('offload '):]}; give host_memory= if the nodes have more RAM, "
