@@ -61,7 +61,7 @@ def fragmentation(ex: Excess, spec: ModelSpec, om: OptimizerMemory, workspaces: 
     if key not in ex.replayed:
         full = layer_count(spec.config)
         reps = sorted(ex.replays, key=lambda r: r[0])
-        (n1, ev1, _, _), (n2, ev2, params, _) = reps[0], reps[-1]
+        (n1, ev1, _), (n2, ev2, params) = reps[0], reps[-1]
         if "events" not in ex.replayed:  # the same for every optimizer and stage
             ev1, ev2 = canonical(ev1), canonical(ev2)
             ex.replayed["events"] = ev2 if n2 == full or n1 == n2 else \
@@ -113,8 +113,12 @@ def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: Optimize
         notes.append(f"margin {format_bytes(margin)}: 2 x {rel:.0%} of what is not model states "
                      "(published GPU tables; `hf-memkit calibrate` measures this GPU)")
     if frag:
+        conf = AllocatorConfig.from_env()
+        opts = ", ".join(o for o in (
+            f"max_split_size_mb:{conf.max_split_size >> 20}" if conf.max_split_size else "",
+            "expandable_segments:True" if conf.expandable_segments else "") if o) or "defaults"
         notes.append(f"fragmentation from a replay of the step through the caching-allocator "
-                     f"model ({AllocatorConfig.from_env()})")
+                     f"model (PYTORCH_CUDA_ALLOC_CONF: {opts})")
     if nccl:
         notes.append(f"NCCL communicator buffers: {format_bytes(nccl)} per rank")
     return DeviceTerms(allocated, reserved, used, rel, notes, margin)
