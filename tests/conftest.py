@@ -3,15 +3,71 @@
 from __future__ import annotations
 
 import importlib
+import ipaddress
 import os
+import socket
 import sys
 import types
 from dataclasses import dataclass
 
-import pytest
-import torch
+# The suite never touches the network: Hugging Face libraries stay offline (read at import, so
+# set before they load; subprocesses inherit it), and any connection or name lookup beyond this
+# machine fails the test that made it.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from hf_memkit._units import MiB
+
+class NetworkAccessError(RuntimeError):
+    """A test reached for the network."""
+
+
+_LOCAL_NAMES = {"localhost", "", socket.gethostname(), socket.getfqdn()}
+
+
+def _local(host) -> bool:
+    if host is None or (isinstance(host, str) and host.lower() in _LOCAL_NAMES):
+        return True
+    try:
+        ip = ipaddress.ip_address(host.decode() if isinstance(host, bytes) else str(host))
+    except ValueError:
+        return False
+    return ip.is_loopback or ip.is_unspecified or ip.is_private
+
+
+def _guard_network() -> None:
+    real_connect, real_connect_ex = socket.socket.connect, socket.socket.connect_ex
+    real_getaddrinfo = socket.getaddrinfo
+
+    def check(sock, address):
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and not _local(address[0]):
+            raise NetworkAccessError(f"the test suite must not use the network: connect to "
+                                     f"{address!r}")
+
+    def connect(self, address):
+        check(self, address)
+        return real_connect(self, address)
+
+    def connect_ex(self, address):
+        check(self, address)
+        return real_connect_ex(self, address)
+
+    def getaddrinfo(host, *args, **kwargs):
+        if not _local(host):
+            raise NetworkAccessError(f"the test suite must not use the network: lookup of "
+                                     f"{host!r}")
+        return real_getaddrinfo(host, *args, **kwargs)
+
+    socket.socket.connect, socket.socket.connect_ex = connect, connect_ex
+    socket.getaddrinfo = getaddrinfo
+
+
+_guard_network()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from hf_memkit._units import MiB  # noqa: E402
 
 # `make test` (and so CI) installs every extra and sets HF_MEMKIT_STRICT_TESTS: there a missing
 # optional package or ../shared is a failure, never a silent skip.
@@ -128,3 +184,16 @@ def fake_cuda(monkeypatch):
 A100_80 = FakeGpu("NVIDIA A100-SXM4-80GB", 81920 * MiB, 80000 * MiB, (8, 0))
 V100_16 = FakeGpu("Tesla V100-SXM2-16GB", 16160 * MiB, 15000 * MiB, (7, 0))
 T4 = FakeGpu("Tesla T4", 15360 * MiB, 15000 * MiB, (7, 5))
+
+
+@pytest.fixture(scope="module")
+def base_model():
+    """The OOM tests' tiny Llama in float64 (bit-comparable runs), one per test module."""
+    from transformers import LlamaForCausalLM
+
+    from hf_memkit._synthetic import tiny_llama_config
+
+    torch.manual_seed(0)
+    cfg = tiny_llama_config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+    return LlamaForCausalLM(cfg).double()

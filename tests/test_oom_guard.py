@@ -12,10 +12,10 @@ import gc
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from hf_memkit import _oom
-from hf_memkit._synthetic import SyntheticTextDataset, tiny_llama_config
+from hf_memkit import _oom_detect
+from hf_memkit._synthetic import SyntheticTextDataset
 from hf_memkit.callbacks import OOMGuardTrainer, OOMRecoveryError, is_oom_error
 
 MBS, GA, STEPS = 4, 2, 3
@@ -31,14 +31,6 @@ def pad_collate(items):
 
     return {"input_ids": pad("input_ids", 0), "attention_mask": pad("attention_mask", 0),
             "labels": pad("labels", -100), "sample_id": torch.stack([x["sample_id"] for x in items])}
-
-
-@pytest.fixture(scope="module")
-def base_model():
-    torch.manual_seed(0)
-    cfg = tiny_llama_config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
-    return LlamaForCausalLM(cfg).double()
 
 
 DATA = SyntheticTextDataset(vocab_size=64, seq_len=16, num_samples=MBS * GA * STEPS,
@@ -256,8 +248,8 @@ def test_bounded_retries_name_setups_and_snapshot(base_model, tmp_path, monkeypa
         with open(path, "wb") as f:
             f.write(b"snapshot")
 
-    monkeypatch.setattr(_oom, "_recording", True)
-    monkeypatch.setattr(_oom, "_snapshots", [])
+    monkeypatch.setattr(_oom_detect, "_recording", True)
+    monkeypatch.setattr(_oom_detect, "_snapshots", [])
     monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", fake_dump)
 
     def always(trainer):
