@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
-import torch
 
 from . import _gpu_catalog
 from ._errors import HfMemkitError
@@ -159,6 +158,8 @@ def probe_device(index: int = 0) -> DeviceInfo:
 
     Never raises for a missing driver: a machine without CUDA gets its CPU (or MPS) described.
     """
+    import torch  # here, not at module level: `hf-memkit devices` and `--help` need no torch
+
     if _cuda_available():
         count = torch.cuda.device_count()
         if not 0 <= index < count:
@@ -172,14 +173,39 @@ def probe_device(index: int = 0) -> DeviceInfo:
     return probe_cpu()
 
 
+_WARNED: set[str] = set()   # keys of the warnings already given in this process
+
+NVML_MISSING = ("nvidia-ml-py is not installed, so NVML readings are lost: the driver version, "
+                "MIG detection, what nvidia-smi shows (MemoryCallback's memory/nvml_used_gib, "
+                "memory/gpu_util) and calibration residuals; free memory comes from "
+                "torch.cuda.mem_get_info. Fix: pip install nvidia-ml-py (or 'hf-memkit[nvml]')")
+CUDA_FIX = ("check the driver with `nvidia-smi` and that torch's CUDA build matches it, or plan "
+            "for the GPU by name (get_device('A100-80GB'), `hf-memkit plan ... --gpu A100-80GB`)")
+
+
+def warn_once(key: str, msg: str) -> None:
+    """``logger.warning(msg)`` the first time ``key`` is seen in this process, then never again."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(msg)
+
+
 def _cuda_available() -> bool:
+    import torch
+
     try:
         return bool(torch.cuda.is_available())
-    except Exception:  # a broken driver install must not crash a probe
+    except Exception as exc:  # a broken driver install must not crash a probe
+        warn_once("cuda_available",
+                  f"torch.cuda.is_available() raised {type(exc).__name__}: {exc}; treating this "
+                  f"machine as having no CUDA GPU: probe_device() describes the CPU (or MPS) and "
+                  f"plans for this machine target it; {CUDA_FIX}")
         return False
 
 
 def _mps_available() -> bool:
+    import torch
+
     try:
         return bool(torch.backends.mps.is_available())
     except Exception:
@@ -187,7 +213,12 @@ def _mps_available() -> bool:
 
 
 def _probe_cuda(index: int, count: int) -> DeviceInfo:
-    props = torch.cuda.get_device_properties(index)
+    import torch
+
+    try:
+        props = torch.cuda.get_device_properties(index)
+    except Exception as exc:  # a broken driver or CUDA install
+        return _probe_cuda_without_torch(index, count, exc)
     cc = (int(props.major), int(props.minor))
     nvml = _nvml_query(index)
     if nvml is not None and nvml["mig"]:
@@ -222,7 +253,29 @@ def _probe_cuda(index: int, count: int) -> DeviceInfo:
     )
 
 
+def _probe_cuda_without_torch(index: int, count: int, exc: Exception) -> DeviceInfo:
+    """torch.cuda cannot describe the device: NVML's name and the catalog entry (its compute
+    capability), else the CPU; a warning says which and what is lost."""
+    nvml = _nvml_query(index)
+    spec = _gpu_catalog.lookup(nvml["name"]) if nvml and not nvml["mig"] else None
+    what = f"torch.cuda.get_device_properties({index}) raised {type(exc).__name__}: {exc}"
+    if spec is None:
+        warn_once("cuda_props", f"{what}; describing the CPU instead (NVML and the GPU catalog "
+                                f"could not identify the GPU), so estimates and plans for this "
+                                f"machine are for its CPU; {CUDA_FIX}")
+        return probe_cpu()
+    warn_once("cuda_props", f"{what}; GPU {index} is described from NVML ({nvml['name']}) and "
+                            f"the catalog entry {spec.name} (compute capability "
+                            f"{spec.compute_capability[0]}.{spec.compute_capability[1]}); "
+                            f"training on it will likely fail as well: {CUDA_FIX}")
+    return _from_spec(spec, name=nvml["name"], total_memory=nvml["total"],
+                      free_memory=nvml["free"], count=count, index=index, source="nvml",
+                      driver_version=nvml["driver"])
+
+
 def _torch_mem_get_info(index: int, props: Any) -> tuple[int | None, int]:
+    import torch
+
     try:
         free, total = torch.cuda.mem_get_info(index)
         return int(free), int(total)
@@ -249,7 +302,7 @@ def _nvml_query(index: int) -> dict[str, Any] | None:
     try:
         import pynvml  # nvidia-ml-py
     except ImportError:
-        logger.debug("nvidia-ml-py not installed; using torch.cuda for device memory")
+        warn_once("nvml_missing", NVML_MISSING)
         return None
     try:
         pynvml.nvmlInit()
@@ -285,6 +338,8 @@ def _nvml_query(index: int) -> dict[str, Any] | None:
 
 
 def _probe_mps() -> DeviceInfo:
+    import torch
+
     vm = psutil.virtual_memory()
     total = vm.total
     try:  # the GPU's share of unified memory, where torch reports it (torch >= 2.3)

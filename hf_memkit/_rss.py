@@ -47,25 +47,34 @@ def reset_peak_rss() -> bool:
         return False
 
 
+MMAP_THRESHOLD = 65536
+_mallopt_called = False   # set_mmap_threshold succeeded in this process
+
+
 def mmap_threshold_set() -> bool:
-    """Whether this process runs with the small mmap threshold that makes RSS exact."""
-    return os.environ.get("MALLOC_MMAP_THRESHOLD_") is not None
+    """Whether this process runs with the small mmap threshold that makes RSS exact: the env var
+    ``MALLOC_MMAP_THRESHOLD_`` at start, or ``set_mmap_threshold`` called (``hf-memkit train``
+    calls it before the model exists)."""
+    return os.environ.get("MALLOC_MMAP_THRESHOLD_") is not None or _mallopt_called
 
 
-def set_mmap_threshold(threshold: int = 65536) -> bool:
+def set_mmap_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
     """Ask glibc to mmap every allocation >= ``threshold`` bytes (so RSS tracks tensors exactly).
 
     Only affects allocations made afterwards; the env var ``MALLOC_MMAP_THRESHOLD_`` does the same
     from process start. Returns False off glibc.
     """
+    global _mallopt_called
     try:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
         m_mmap_threshold = -3  # glibc malloc.h: M_MMAP_THRESHOLD
-        return bool(libc.mallopt(m_mmap_threshold, int(threshold)))
+        ok = bool(libc.mallopt(m_mmap_threshold, int(threshold)))
     except (OSError, AttributeError):
         return False
+    _mallopt_called = _mallopt_called or ok
+    return ok
 
 
 def alive_cpu_tensor_bytes(*, collect: bool = True) -> int:

@@ -25,12 +25,15 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from ._errors import ConfigError, HfMemkitError
+from ._compat import no_progress_bars
+from ._errors import ConfigError, HfMemkitError, TrainingFailed  # noqa: F401  (re-exported)
 from ._recipe import Recipe
-
-
-class TrainingFailed(RuntimeError):
-    """The run itself failed (after planning and setup succeeded): exit code 1."""
+from ._train_stop import (  # noqa: F401  (TrainingInterrupted: re-exported)
+    TrainingInterrupted,
+    failure_message,
+    train_keeping_what_exists,
+    write_error,
+)
 
 
 @dataclass
@@ -126,6 +129,7 @@ def build_model(recipe: Recipe, plan: Any, task: str) -> torch.nn.Module:
     kwargs = dict(plan.model_kwargs)
     quant = kwargs.pop("quantization_config", None)
     kwargs["dtype"] = kwargs.get("dtype") or torch.float32
+    kwargs["trust_remote_code"] = False  # never run a model directory's own code (auto_map)
     from ._model.tasks import auto_class
 
     auto = auto_class(task)
@@ -146,8 +150,11 @@ def build_model(recipe: Recipe, plan: Any, task: str) -> torch.nn.Module:
         model.save_pretrained(tmp)
         del model
         model = auto.from_pretrained(tmp, quantization_config=quant, **kwargs, **load_kw)
-    # name the real base (the adapter config records it), not the deleted temporary directory
-    model.name_or_path = model.config._name_or_path = recipe.model
+    # not the deleted temporary directory: a local model directory (the adapter config records
+    # it), else nothing, as from_config leaves it; a bundled config's name is no Hub repo, and
+    # peft would look it up on the Hub when it saves the adapters
+    local = os.path.isfile(os.path.join(str(recipe.model), "config.json"))
+    model.name_or_path = model.config._name_or_path = str(recipe.model) if local else ""
     return model
 
 
@@ -271,7 +278,8 @@ def load_tokenizer(recipe: Recipe) -> Any:
                            "model.tokenizer to a local directory (tokenizer.save_pretrained)"],
                           source=where)
     try:
-        return AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+        return AutoTokenizer.from_pretrained(tok_dir, local_files_only=True,
+                                             trust_remote_code=False)
     except Exception as exc:
         raise ConfigError([f"{where}: model.tokenizer: cannot load a tokenizer from "
                            f"`{tok_dir}`: {exc}"], source=where) from None
@@ -298,6 +306,8 @@ def _progress_callback(console: Any):
         def on_train_begin(self, args, state, control, **kwargs):
             if not state.is_world_process_zero:
                 return
+            console.print(f"training {state.max_steps} steps; Ctrl-C stops early and keeps the "
+                          f"model and memory report in {args.output_dir}", soft_wrap=True)
             self.progress = Progress(TextColumn("[bold]training"), BarColumn(),
                                      MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
                                      TimeElapsedColumn(), TimeRemainingColumn(),
@@ -371,8 +381,14 @@ def train_recipe(recipe: Recipe, *, plan: Any = None, output_dir: str | None = N
     except (ValueError, TypeError) as exc:  # TrainingArguments rejects a pinned combination
         raise ConfigError([f"{where}: pins: TrainingArguments rejects them: {exc}"],
                           source=where) from None
-    model = build_model(recipe, plan, task)
-    model = plan.prepare(model)
+    try:
+        model = plan.prepare(build_model(recipe, plan, task))
+    except HfMemkitError:
+        raise
+    except Exception as exc:  # the model code itself raised (a config it cannot build...)
+        raise TrainingFailed(failure_message(f"building the model of {where} failed", exc,
+                                              out, write_error(out, "building the model", exc))
+                             ) from exc
     memory = MemoryCallback(plan) if "memory" in recipe.callbacks else None
     callbacks = [cb for cb in (memory, ThroughputCallback(plan.device)
                                if "throughput" in recipe.callbacks else None) if cb is not None]
@@ -384,13 +400,10 @@ def train_recipe(recipe: Recipe, *, plan: Any = None, output_dir: str | None = N
     if progress_console is not None:
         trainer.add_callback(_progress_callback(progress_console))
     t0 = time.perf_counter()
-    try:
-        trainer.train()
-    except Exception as exc:  # the run failed (OOM beyond recovery, NaNs, a kernel error...)
-        raise TrainingFailed(f"training {where} failed at step {trainer.state.global_step}: "
-                             f"{type(exc).__name__}: {exc}") from exc
+    train_keeping_what_exists(trainer, memory, out, where)
     seconds = time.perf_counter() - t0
-    trainer.save_model(out)
+    with no_progress_bars():
+        trainer.save_model(out)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     sps = [h["throughput/samples_per_second"] for h in trainer.state.log_history
            if "throughput/samples_per_second" in h]
@@ -425,10 +438,12 @@ def with_max_steps(recipe: Recipe, max_steps: int) -> Recipe:
 def with_pins(recipe: Recipe, pins: dict[str, Any]) -> Recipe:
     import dataclasses
 
+    from ._device import resolve_device
     from ._recipe import Checker, check_pins
 
     c = Checker("command line")
-    checked = check_pins(dict(pins), c, dev=None)
+    # checked against the recipe's device too: fp16=true on a CPU recipe is bad input here
+    checked = check_pins(dict(pins), c, dev=resolve_device(recipe.device))
     if c.problems:
         raise ConfigError(c.problems, source="command line")
     return dataclasses.replace(recipe, pins={**recipe.pins, **checked})

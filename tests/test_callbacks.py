@@ -22,6 +22,7 @@ from transformers.trainer_callback import TrainerState
 
 from hf_memkit._callbacks import memory as memory_mod
 from hf_memkit._callbacks._readers import CudaReader
+from hf_memkit._callbacks.plot import draw_timeline
 from hf_memkit._callbacks.throughput import flops_per_token, flops_per_token_terms
 from hf_memkit._synthetic import SyntheticTextDataset, tiny_llama_config
 from hf_memkit._units import GiB, MiB
@@ -241,7 +242,62 @@ def test_cuda_path_on_fakes(tmp_path, monkeypatch):
     # no reading at all during the steps that do not log (1 and 3)
     assert {s for s in fake.read_in if s is not None} == {2, 4}
     with open(os.path.join(tmp_path, "memory_report.json")) as f:
-        assert json.load(f)["device"] == "cuda"
+        report = json.load(f)
+    assert report["device"] == "cuda"
+    plt = require("matplotlib.pyplot")
+    # the timeline: reserved (128 MiB) is its own dashed line, allocated (100 MiB) its own line
+    fig = draw_timeline(report)
+    try:
+        lines = {ln.get_label(): ln for ln in fig.axes[0].get_lines()}
+        assert lines["reserved (caching allocator)"].get_linestyle() == "--"
+        assert list(lines["reserved (caching allocator)"].get_ydata()) == [128, 128]
+        assert list(lines["allocated after step"].get_ydata()) == [100, 100]
+    finally:
+        plt.close(fig)
+
+
+def _bar_spans(ax) -> list[tuple[str, float, float, float]]:
+    return [(c.get_label(), p.get_x(), p.get_x() + p.get_width(), p.get_height())
+            for c in ax.containers for p in c.patches]
+
+
+def test_timeline_reads_at_a_glance(tmp_path):
+    """The PNG of a real CPU run: y from 0 in MiB, the two phase bars of each logged step side by
+    side and never overlapping, allocated visible (one line on CPU, where reserved equals it), the
+    prediction a labelled line."""
+    cb = MemoryCallback(types.SimpleNamespace(peak_allocated=20 * MiB))
+    trainer = tiny_trainer(tmp_path, [cb], steps=6, logging_steps=2)
+    trainer.train()
+    report = cb.to_report()
+    plt = require("matplotlib.pyplot")
+    assert os.path.getsize(tmp_path / "memory_timeline.png") > 1000   # what on_train_end drew
+    fig = draw_timeline(report)
+    try:
+        [ax] = fig.axes
+        assert ax.get_ylim()[0] == 0
+        assert ax.get_ylim()[1] > max(r["peak_allocated"] for r in report["steps"]) / MiB
+        assert ax.get_ylabel() == "memory (MiB)"
+        spans = _bar_spans(ax)
+        assert sorted({s[0] for s in spans}) == ["forward + backward peak", "optimizer-step peak"]
+        assert len(spans) == 2 * len(report["steps"]) == 6
+        spans.sort(key=lambda s: s[1])
+        for (_, _, right, _), (_, left, _, _) in zip(spans, spans[1:], strict=False):
+            assert right < left                                   # no two bars overlap
+        for (label, _, right, height), r in zip(spans[::2], report["steps"], strict=True):
+            assert label == "forward + backward peak" and right < r["step"]   # left of its step
+            assert height == pytest.approx(r["peak_fwd_bwd"] / MiB)
+        lines = {ln.get_label(): ln for ln in ax.get_lines()}
+        alloc = lines["allocated after step (CPU: reserved = allocated)"]
+        assert not any("reserved" == k.split(" ")[0] for k in lines)   # no line hidden under it
+        assert alloc.get_zorder() > max(p.get_zorder() for c in ax.containers for p in c.patches)
+        assert list(alloc.get_ydata()) == pytest.approx([r["allocated"] / MiB
+                                                         for r in report["steps"]])
+        pred = lines["predicted peak (20.00 MiB)"]
+        assert list(pred.get_ydata()) == [20, 20] and pred.get_linestyle() == "--"
+        assert "predicted\n20.00 MiB" in [t.get_text() for t in ax.texts]   # at the line's end
+        assert ax.get_title().startswith("memory timeline on cpu\npeak ")
+    finally:
+        plt.close(fig)
 
 
 def test_missing_stat_warns_once_and_goes_on(tmp_path, monkeypatch, caplog):

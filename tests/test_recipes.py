@@ -186,7 +186,9 @@ def test_train_qlora_on_cpu_reloads_the_random_init_4bit(tmp_path):
     res = train_recipe(load_recipe(p), output_dir=str(tmp_path / "q"), max_steps=2)
     assert res.plan.chosen.method == "qlora" and res.steps == 2
     cfg = json.loads((tmp_path / "q" / "adapter_config.json").read_text())
-    assert cfg["base_model_name_or_path"] == "Llama-3.2-1B"
+    # a random init of a bundled config has no base to reload: nothing recorded, so peft does
+    # not look the bundled name up on the Hub when it saves (the socket guard would fail it)
+    assert cfg["base_model_name_or_path"] in (None, "")
     assert not (tmp_path / "q" / "model.safetensors").exists()       # the adapter only
 
 

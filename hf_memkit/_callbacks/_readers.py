@@ -76,17 +76,18 @@ class CudaReader(Reader):
 
     def open_nvml(self) -> bool:
         """Start NVML for this device; False (with one warning) where it is missing or fails."""
+        from .._device import NVML_MISSING, nvml_handle, warn_once
+
         try:
             import pynvml  # nvidia-ml-py
-
-            from .._device import nvml_handle
-
+        except ImportError:
+            warn_once("nvml_missing", NVML_MISSING)
+            return False
+        try:
             pynvml.nvmlInit()
             self._handle = nvml_handle(pynvml, self.index)
             self._nvml = pynvml
             return True
-        except ImportError:
-            return False
         except Exception as exc:
             logger.warning("NVML unavailable (%s); memory/nvml_used_gib and memory/gpu_util "
                            "will not be logged", exc)

@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
-
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING
 
 from .._units import format_bytes
 from .estimate import parse_field
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 
 def train_parser(sub) -> argparse.ArgumentParser:
@@ -28,7 +31,10 @@ def train_parser(sub) -> argparse.ArgumentParser:
                "  hf-memkit train tiny-llama/1m_full_cpu --max-steps 5 --output-dir /tmp/run\n"
                "  hf-memkit train my_recipe.yaml learning_rate=1e-4 --json\n"
                "Exit codes: 0 trained, 2 bad recipe or input (message on stderr), 1 the run "
-               "failed.",
+               "failed (error.txt, memory_report.json and the model so far are kept in the "
+               "output directory), 130 interrupted by Ctrl-C (the same files are kept).\n"
+               "On CPU, hf-memkit re-executes itself with MALLOC_MMAP_THRESHOLD_=65536 so that "
+               "its memory readings are exact.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("recipe", help="recipe .yaml file, or a bundled recipe name "
@@ -43,23 +49,28 @@ def train_parser(sub) -> argparse.ArgumentParser:
 
 
 def memory_log_table(result) -> Table:
-    t = Table(title="memory at each logging step (MemoryCallback)")
-    for col in ("step", "peak allocated", "predicted peak", "measured / predicted",
-                "allocated after step"):
-        t.add_column(col, justify="right")
+    from .._render import add_column, add_row, new_table
+
+    t = new_table("memory at each logging step (MemoryCallback)")
+    for col in ("step", "peak\nallocated", "predicted\npeak", "measured /\npredicted",
+                "allocated\nafter step"):
+        add_column(t, col, numeric=True)
     for rec in result.timeline:
         pred = rec.get("predicted_peak")
         ratio = rec.get("actual_over_predicted")
-        t.add_row(str(rec["step"]), format_bytes(rec.get("peak_allocated")),
-                  format_bytes(pred) if pred else "-", f"{ratio:.3f}" if ratio else "-",
-                  format_bytes(rec.get("allocated")))
+        add_row(t, str(rec["step"]), format_bytes(rec.get("peak_allocated")),
+                format_bytes(pred) if pred else "-", f"{ratio:.3f}" if ratio else "-",
+                format_bytes(rec.get("allocated")))
     return t
 
 
 def summary_table(result) -> Table:
-    t = Table(title=f"trained {result.recipe}", show_header=False)
-    t.add_column("field", style="bold")
-    t.add_column("value")
+    # plain-text cells (_render): rich markup would eat the "[plot]" of "hf-memkit[plot]"
+    from .._render import add_column, add_row, new_table
+
+    t = new_table(f"trained {result.recipe}", show_header=False)
+    add_column(t, "field", style="bold")
+    add_column(t, "value")
     c = result.plan.chosen
     loss = ("-" if result.first_loss is None else
             f"{result.first_loss:.4f} -> {result.last_loss:.4f}")
@@ -81,7 +92,7 @@ def summary_table(result) -> Table:
     if result.oom_recoveries:
         rows.append(("OOM recoveries", str(result.oom_recoveries)))
     for k, v in rows:
-        t.add_row(k, v)
+        add_row(t, k, v)
     return t
 
 
@@ -89,8 +100,10 @@ def run_train(recipe_ref: str, *, output_dir: str | None = None, max_steps: int 
               pins: dict | None = None, as_json: bool = False,
               console: Console | None = None) -> int:
     """The body of ``hf-memkit train`` (also ``hf-memkit demo``)."""
+    from rich.console import Console
+
     from .._recipe import load_recipe
-    from .._render import plan_tables
+    from .._render import plan_tables, print_tables
     from .._train import check_trainable_here, plan_recipe, train_recipe, with_max_steps, with_pins
 
     console = console or Console()
@@ -103,26 +116,90 @@ def run_train(recipe_ref: str, *, output_dir: str | None = None, max_steps: int 
     plan = plan_recipe(recipe)
     if not as_json:
         console.rule(f"plan for {recipe.source}")
-        for table in plan_tables(plan):
-            console.print(table)
+        print_tables(console, *plan_tables(plan))
     progress = None if as_json else Console(stderr=True)
     # --json: stdout carries only the JSON; libraries' chatter (e.g. deepspeed's accelerator
     # warning, printed to stdout) goes to stderr
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
-        result = train_recipe(recipe, plan=plan, output_dir=output_dir,
-                              progress_console=progress)
+        try:
+            result = train_recipe(recipe, plan=plan, output_dir=output_dir,
+                                  progress_console=progress)
+        except KeyboardInterrupt as exc:   # TrainingInterrupted: what existed is saved
+            return interrupted(exc)
     if as_json:
         print(json.dumps(result.to_dict(), indent=2, default=str))
     else:
         if result.timeline:
-            console.print(memory_log_table(result))
-        console.print(summary_table(result))
+            print_tables(console, memory_log_table(result))
+        print_tables(console, summary_table(result))
     return 0
 
 
+def interrupted(exc: BaseException, command: str = "train") -> int:
+    """Ctrl-C: one line on stderr (what was saved, where), exit code 130 (128 + SIGINT)."""
+    what = str(exc) or "interrupted before training began; nothing saved"
+    print(f"hf-memkit {command}: {what}", file=sys.stderr, flush=True)
+    return 130
+
+
 def train_command(args: argparse.Namespace) -> int:
-    return run_train(args.recipe, output_dir=args.output_dir, max_steps=args.max_steps,
-                     pins=dict(args.fields), as_json=args.json)
+    try:
+        reexec_with_mmap_threshold(args.recipe)
+        return run_train(args.recipe, output_dir=args.output_dir, max_steps=args.max_steps,
+                         pins=dict(args.fields), as_json=args.json)
+    except KeyboardInterrupt as exc:
+        return interrupted(exc)
+
+
+# ----------------------------------------------------------------------------------------------
+# exact CPU memory readings: MALLOC_MMAP_THRESHOLD_ from process start (DESIGN.md)
+# ----------------------------------------------------------------------------------------------
+
+REEXEC_GUARD = "HF_MEMKIT_REEXEC"   # set in the re-executed process: never a second time
+_CLI_SCRIPTS = ("hf-memkit", os.path.join("hf_memkit", "commands", "main.py"),
+                os.path.join("hf_memkit", "__main__.py"))
+
+
+def reexec_with_mmap_threshold(recipe_ref: str) -> None:
+    """Re-execute this ``hf-memkit`` process (same pid, argv and interpreter flags; so the same
+    exit code and signals) with ``MALLOC_MMAP_THRESHOLD_=65536`` when a CPU run lacks it: glibc
+    then maps every tensor on its own, and RSS counts tensor bytes exactly. Returns (nothing
+    done) when it is set, after one re-execution, off glibc, when the run trains on a GPU, or
+    when ``hf-memkit`` was not the program started (``main([...])`` called from Python)."""
+    import platform
+
+    from .._rss import MMAP_THRESHOLD
+
+    if ("MALLOC_MMAP_THRESHOLD_" in os.environ or os.environ.get(REEXEC_GUARD)
+            or not sys.argv or not sys.argv[0].endswith(_CLI_SCRIPTS)
+            or platform.libc_ver()[0] != "glibc" or not _trains_on_cpu(recipe_ref)):
+        return
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD), **{REEXEC_GUARD: "1"})
+    argv = [sys.executable, *getattr(sys, "orig_argv", [sys.executable, *sys.argv])[1:]]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(sys.executable, argv, env)
+    except OSError:   # cannot exec: train here; set_mmap_threshold (mallopt) still applies
+        return
+
+
+def _trains_on_cpu(recipe_ref: str) -> bool:
+    """The recipe's ``hardware.device`` is ``cpu``, or it names none and this machine has no
+    NVIDIA driver. Read from the YAML alone (no torch import: the re-execution must be cheap);
+    a recipe that does not parse is left to ``load_recipe`` to explain."""
+    import yaml
+
+    from .._recipe.load import resolve_recipe_path
+
+    try:
+        data = yaml.safe_load(resolve_recipe_path(recipe_ref).read_text())
+        device = (data.get("hardware") or {}).get("device")
+    except Exception:
+        return False
+    if device is None:
+        return not os.path.exists("/proc/driver/nvidia")
+    return str(device).lower() == "cpu"
 
 
 def register(sub) -> None:
