@@ -102,6 +102,175 @@ def training_args_fields() -> dict[str, Any]:
     return out
 
 
+@cache
+def training_args_types() -> dict[str, tuple[type, bool, tuple[str, ...]]]:
+    """Field name -> (bool | int | float | str, whether None is allowed, the allowed strings of
+    an enum field) for the installed ``TrainingArguments`` fields typed as one of those scalars
+    (str: a plain ``str`` or ``Enum | str`` field that is never None). Fields of other types
+    (dicts, lists, ``str | None`` such as ``fsdp``, which also takes True) are not listed and are
+    passed through as given."""
+    import enum
+    import types
+    import typing
+
+    try:
+        hints = typing.get_type_hints(TrainingArguments)
+    except Exception:  # an annotation this Python cannot evaluate: check nothing by type
+        return {}
+    out = {}
+    for name, hint in hints.items():
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        members = typing.get_args(hint) if union else (hint,)
+        kinds = [a for a in members if a is not type(None)]
+        optional = len(kinds) < len(members)
+        enums = [k for k in kinds if isinstance(k, type) and issubclass(k, enum.Enum)]
+        if len(kinds) == 1 and kinds[0] in (bool, int, float) or kinds == [str] and not optional:
+            out[name] = (kinds[0], optional, ())
+        elif enums and not optional and set(kinds) == {str, *enums}:
+            out[name] = (str, False, tuple(str(m.value) for m in enums[0]))
+    return out
+
+
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+_EXPECTED = {bool: "a boolean (true/false, 1/0, yes/no)", int: "an integer",
+             float: "a number (e.g. 2e-4)"}
+
+
+def _described(v: Any) -> str:
+    return f"{v!r} ({type(v).__name__})"
+
+
+_NO_VALUE = object()
+
+
+def _parse_text(text: str, kind: type) -> Any:
+    """A bool / int / float read from text, or ``_NO_VALUE``."""
+    import math
+
+    if kind is bool:
+        return text in _TRUE if text in _TRUE + _FALSE else _NO_VALUE
+    for read in ((int,) if kind is int else (int, float)):  # logging_steps=10 stays an int
+        try:
+            v = read(text)
+        except ValueError:
+            continue
+        return v if math.isfinite(v) else _NO_VALUE
+    return _NO_VALUE
+
+
+def _typed(value: Any, kind: type) -> Any:
+    """``value`` when it already has type ``kind`` (0/1 for a bool), or ``_NO_VALUE``."""
+    import math
+
+    if isinstance(value, bool):
+        return value if kind is bool else _NO_VALUE
+    if kind is bool:
+        return bool(value) if type(value) is int and value in (0, 1) else _NO_VALUE
+    if kind is int:
+        return value if isinstance(value, int) else _NO_VALUE
+    ok = isinstance(value, (int, float)) and math.isfinite(value)
+    return value if ok else _NO_VALUE
+
+
+def coerce_field(name: str, value: Any) -> Any:
+    """``value`` of ``TrainingArguments`` field ``name`` with the field's type: text (the command
+    line's ``bf16=False``, a quoted YAML value) is parsed by the field's type (bool: true/false,
+    1/0, yes/no in any case; int; float; ``none`` where the field allows None). A value of
+    another type raises ``HfMemkitError`` naming the field, the value and the type expected.
+    Fields not typed as one scalar (``training_args_types``), and unknown names, pass as given."""
+    spec = training_args_types().get(name)
+    if spec is None:
+        return value
+    kind, optional, choices = spec
+    if kind is str:
+        return _string_field(name, value, choices)
+    if optional and (value is None or (isinstance(value, str)
+                                       and value.strip().lower() in ("none", "null"))):
+        return None
+    got = _parse_text(value.strip().lower(), kind) if isinstance(value, str) else \
+        _typed(value, kind)
+    if got is _NO_VALUE:
+        raise HfMemkitError(f"`{name}` expects {_EXPECTED[kind]}{' or none' if optional else ''}"
+                            f", got {repr(value) if isinstance(value, str) else _described(value)}")
+    return got
+
+
+def _string_field(name: str, value: Any, choices: tuple[str, ...]) -> Any:
+    """A ``str`` / ``Enum | str`` field: a string (one of ``choices`` for an enum; ``optim`` is
+    checked against hf_memkit's optimizer registry instead), or an enum member."""
+    import enum
+
+    if isinstance(value, enum.Enum):
+        return value
+    allowed = f"one of {', '.join(map(repr, choices))}" if choices else "a string"
+    if not isinstance(value, str):
+        hint = (f"; in YAML quote it ('{'yes' if value else 'no'}'): unquoted yes/no/true/false "
+                "are booleans") if isinstance(value, bool) else ""
+        raise HfMemkitError(f"`{name}` expects {allowed}, got {_described(value)}{hint}")
+    if choices and name != "optim" and value not in choices:
+        raise HfMemkitError(f"`{name}` expects {allowed}, got {value!r}"
+                            f"{did_you_mean(value, choices)}")
+    return value
+
+
+# Value ranges of numeric TrainingArguments fields: (rule, what is allowed). TrainingArguments
+# rejects some only when it is built on the target machine (warmup_steps < 0, logging_steps 0),
+# others never (max_steps 0 trains nothing, a negative learning rate); a plan is a dict, so the
+# rules are checked here, at load and validate time.
+def _steps(v: float) -> bool:
+    return v > 0 and (v <= 1 or float(v).is_integer())
+
+
+_STEPS = "a positive number of steps (an integer), or a ratio of the run in (0, 1]"
+FIELD_RANGES: dict[str, tuple[Any, str]] = {
+    "max_steps": (lambda v: v == -1 or v > 0, "a positive number of optimizer steps, or -1 (the "
+                                              "default: train for num_train_epochs)"),
+    "num_train_epochs": (lambda v: v > 0, "a positive number of epochs"),
+    "learning_rate": (lambda v: v >= 0, "a learning rate >= 0, e.g. 2e-4"),
+    "warmup_steps": (lambda v: v >= 0, "steps >= 0 (or a ratio of the run in [0, 1))"),
+    "weight_decay": (lambda v: v >= 0, "a weight decay >= 0"),
+    "max_grad_norm": (lambda v: v >= 0, "a clipping norm >= 0 (0 = no clipping)"),
+    "adam_beta1": (lambda v: 0 <= v < 1, "a decay rate in [0, 1), e.g. 0.9"),
+    "adam_beta2": (lambda v: 0 <= v < 1, "a decay rate in [0, 1), e.g. 0.999"),
+    "adam_epsilon": (lambda v: v >= 0, "an epsilon >= 0, e.g. 1e-8"),
+    "label_smoothing_factor": (lambda v: 0 <= v < 1, "a factor in [0, 1)"),
+    "logging_steps": (_steps, _STEPS),
+    "eval_steps": (_steps, _STEPS),
+    "save_steps": (_steps, _STEPS),
+    "per_device_train_batch_size": (lambda v: v >= 1, "a positive integer"),
+    "per_device_eval_batch_size": (lambda v: v >= 1, "a positive integer"),
+    "gradient_accumulation_steps": (lambda v: v >= 1, "a positive integer"),
+    "eval_accumulation_steps": (lambda v: v >= 1, "a positive integer"),
+    "torch_empty_cache_steps": (lambda v: v >= 1, "a positive integer"),
+    "dataloader_num_workers": (lambda v: v >= 0, "an integer >= 0 (0: load in the main "
+                                                 "process)"),
+    "dataloader_prefetch_factor": (lambda v: v >= 1, "a positive integer"),
+    "seed": (lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),
+    "data_seed": (lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)"),
+    "neftune_noise_alpha": (lambda v: v >= 0, "a noise scale >= 0"),
+    "ddp_timeout": (lambda v: v > 0, "a positive number of seconds"),
+}
+
+
+def field_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` (already of the field's type) is out of ``name``'s range, or None."""
+    rule = FIELD_RANGES.get(name)
+    if rule is None or value is None or isinstance(value, bool) or \
+            not isinstance(value, (int, float)):
+        return None
+    ok, allowed = rule
+    return None if ok(value) else f"`{name}` must be {allowed}, got {value!r}"
+
+
+def check_field(name: str, value: Any) -> Any:
+    """``coerce_field`` then ``field_problem``: the typed value, or ``HfMemkitError``."""
+    value = coerce_field(name, value)
+    problem = field_problem(name, value)
+    if problem:
+        raise HfMemkitError(problem)
+    return value
+
+
 def _as_dict(args: TrainingArguments | dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
     if args is None:
         return {}, False
@@ -133,6 +302,11 @@ class _Reader:
                 if k not in self.fields:
                     self.problems.append(f"`{k}` is not a TrainingArguments field"
                                          f"{did_you_mean(k, self.fields)}")
+                    continue
+                try:  # by the field's type: bf16="False" is False, "abc" for a float an error
+                    d[k] = check_field(k, d[k])
+                except HfMemkitError as exc:
+                    self.problems.append(str(exc))
 
     def get(self, name: str) -> Any:
         v = self.d.get(name, self.fields.get(name))
@@ -141,7 +315,8 @@ class _Reader:
     def positive_int(self, name: str) -> int:
         v = self.get(name)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            self.problems.append(f"`{name}` must be a positive integer, got {v!r}")
+            if not any(p.startswith(f"`{name}` ") for p in self.problems):  # said once
+                self.problems.append(f"`{name}` must be a positive integer, got {v!r}")
             return 1
         return v
 

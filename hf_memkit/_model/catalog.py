@@ -12,6 +12,7 @@ import os
 from functools import cache
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
@@ -80,8 +81,81 @@ def load_bundled_config(name: str) -> PretrainedConfig:
     return config
 
 
+def _check_config_file(file: Path) -> dict:
+    """``config.json`` read and checked before transformers sees it: UTF-8, JSON, a mapping with
+    a ``model_type`` transformers knows. A config whose type only the directory's own Python
+    defines (``auto_map``) is refused: hf_memkit never runs a model's custom code."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    fix = ("write it with config.save_pretrained(dir), or use a catalog name: "
+           f"{', '.join(list_models())}")
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise HfMemkitError(f"cannot read `{file}`: {exc.strerror}") from None
+    try:
+        d = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise HfMemkitError(f"`{file}` is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
+                            f"{exc.start}); a config.json is UTF-8 JSON: {fix}") from None
+    except json.JSONDecodeError as exc:
+        what = "empty" if not data.strip() else (
+            f"not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})")
+        raise HfMemkitError(f"`{file}` is {what}; a config.json is one JSON object with a "
+                            f"`model_type`: {fix}") from None
+    if not isinstance(d, dict):
+        raise HfMemkitError(f"`{file}` holds a JSON {type(d).__name__}, not an object; a "
+                            f"config.json is one JSON object with a `model_type`: {fix}")
+    model_type = d.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise HfMemkitError(f"`{file}` has no `model_type` (got {model_type!r}); set it to a "
+                            f"transformers model type such as \"llama\", or {fix}")
+    if model_type not in CONFIG_MAPPING:
+        if d.get("auto_map"):
+            raise remote_code_error(file, model_type)
+        raise HfMemkitError(
+            f"`{file}`: model_type `{model_type}` is not a model type transformers "
+            f"{_transformers_version()} knows{did_you_mean(model_type, list(CONFIG_MAPPING.keys()))}; "
+            "use a model type transformers ships (e.g. llama, mistral, gpt2, bert), or a newer "
+            "transformers")
+    return d
+
+
+def remote_code_error(where: Any, model_type: str | None = None) -> HfMemkitError:
+    what = f"model_type `{model_type}` is" if model_type else "its config or model class is"
+    return HfMemkitError(
+        f"`{where}` needs custom code: {what} defined by the model's own Python files "
+        "(auto_map), and hf_memkit never runs a model's code (it reads configs with "
+        "trust_remote_code=False), so the command line and recipes cannot use it. To proceed, "
+        "review the code, build the model yourself in Python on the meta device (config = "
+        "AutoConfig.from_pretrained(DIR, trust_remote_code=True); with torch.device('meta'): "
+        "model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)) and pass the "
+        "model to hf_memkit.estimate_memory / plan_training; or use a model type transformers "
+        "ships")
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _from_pretrained(ref: str, file: Path, **kwargs: Any) -> PretrainedConfig:
+    """``AutoConfig.from_pretrained`` that never runs custom code; its errors name the file."""
+    try:
+        return AutoConfig.from_pretrained(ref, trust_remote_code=False, **kwargs)
+    except Exception as exc:  # transformers: ValueError, OSError, strict-dataclass errors
+        text = str(exc)
+        if "trust_remote_code" in text:
+            raise remote_code_error(file) from None
+        raise HfMemkitError(f"transformers cannot read `{file}`: {type(exc).__name__}: "
+                            f"{text.strip()}; fix the value it names, or write the config "
+                            "with config.save_pretrained(dir)") from None
+
+
 def resolve_config(ref: str | os.PathLike) -> PretrainedConfig:
-    """A config from a catalog name, a local directory with ``config.json``, or the HF cache."""
+    """A config from a catalog name, a local directory with ``config.json``, or the HF cache.
+    Custom code (``auto_map``) is never run: ``trust_remote_code=False`` everywhere."""
     path = Path(ref)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -90,16 +164,21 @@ def resolve_config(ref: str | os.PathLike) -> PretrainedConfig:
                 "(as written by save_pretrained) or use a catalog name: "
                 f"{', '.join(list_models())}"
             )
-        return AutoConfig.from_pretrained(str(path))
+        _check_config_file(path / "config.json")
+        return _from_pretrained(str(path), path / "config.json")
     if path.suffix == ".json" and path.is_file():
-        return AutoConfig.from_pretrained(str(path))
+        _check_config_file(path)
+        return _from_pretrained(str(path), path)
     name = str(ref)
     try:
         return load_bundled_config(name)
     except KeyError:
         pass
-    try:  # a hub id whose config.json is already cached locally; never downloads
-        return AutoConfig.from_pretrained(name, local_files_only=True)
+    try:  # a hub id whose config.json is already cached locally; never downloads, never runs code
+        return AutoConfig.from_pretrained(name, local_files_only=True, trust_remote_code=False)
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise remote_code_error(name) from None
     except Exception:
         pass
     raise HfMemkitError(

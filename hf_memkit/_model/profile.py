@@ -83,10 +83,16 @@ def build_model(config: PretrainedConfig, task: str | None = None, *,
     """Instantiate ``config`` with the head for ``task`` on ``device`` (meta: no memory)."""
     task = normalize_task(task, config)
     auto_cls = getattr(transformers, TASKS.get(task).auto_class)
+    kwargs.setdefault("trust_remote_code", False)  # never run a model's own code (auto_map)
     try:
         with torch.device(device):
             return auto_cls.from_config(config, **kwargs)
     except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            from .catalog import remote_code_error
+
+            raise remote_code_error(getattr(config, "name_or_path", "") or config.model_type,
+                                    config.model_type) from None
         raise HfMemkitError(
             f"transformers cannot build a `{config.model_type}` model for task `{task}` "
             f"({exc}); choose another task from: {', '.join(TASKS.names())}"

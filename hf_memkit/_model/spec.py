@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from .._errors import HfMemkitError
+from .._errors import HfMemkitError, did_you_mean
 from .._optimizers import ParamInfo
 from .._trace import LoraSpec, quantizable_linears
 from .facts import ModelFacts, model_facts
@@ -114,21 +114,29 @@ class _Loaded:
     double_quant: bool
 
 
+def loaded_weights(base: torch.nn.Module) -> tuple[torch.dtype, int | None]:
+    """The dtype most of a loaded model's floating weights have, and the bits of its
+    bitsandbytes-quantized weights (None: not quantized)."""
+    floats = [p.dtype for p in base.parameters() if p.is_floating_point()
+              and type(p).__name__ not in ("Params4bit", "Int8Params")]
+    kinds = {type(p).__name__ for p in base.parameters()}
+    bits = 4 if "Params4bit" in kinds else 8 if "Int8Params" in kinds else None
+    return (max(set(floats), key=floats.count) if floats else torch.float32), bits
+
+
 def _from_module(model: torch.nn.Module, task: str | None, dtype: torch.dtype | None,
                  attn: str | None, lora_cfg: Any, quant: tuple) -> _Loaded:
     base, is_peft = unwrap_model(model)
     config = base.config
     task = normalize_task(task, config) if task else task_of_class(type(base), config)
-    floats = [p.dtype for p in base.parameters() if p.is_floating_point()
-              and type(p).__name__ not in ("Params4bit", "Int8Params")]
-    dtype = dtype or (max(set(floats), key=floats.count) if floats else torch.float32)
+    own_dtype, own_bits = loaded_weights(base)
+    dtype = dtype or own_dtype
     attn = attn or getattr(config, "_attn_implementation", None)
     if is_peft and lora_cfg is None:
         lora_cfg = next(iter(model.peft_config.values()))
     bits, double = quant[0], quant[1]
     if bits is None:
-        kinds = {type(p).__name__ for p in base.parameters()}
-        bits = 4 if "Params4bit" in kinds else 8 if "Int8Params" in kinds else None
+        bits = own_bits
         qc = getattr(config, "quantization_config", None)
         if bits and qc is not None:
             double = bool(quant_from(qc)[1]) if bits == 4 else False
@@ -147,13 +155,31 @@ def _from_config(ref: Any, task: str | None, dtype: torch.dtype | None, attn: st
                    quant[1])
 
 
+LOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def load_dtype(dtype: Any) -> torch.dtype | None:
+    """``dtype=`` of ``estimate_memory``: a floating torch dtype or its name ("bfloat16",
+    "torch.float16", "half"), or None / "auto" (the model's own; fp32 for a config)."""
+    if dtype is None or dtype == "auto":
+        return None
+    names = [str(d).removeprefix("torch.") for d in LOAD_DTYPES]
+    found = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+    if found not in LOAD_DTYPES:
+        raise HfMemkitError(
+            f"dtype {dtype!r} is not a dtype weights can be loaded in"
+            f"{did_you_mean(str(dtype), names) if isinstance(dtype, str) else ''}; allowed: "
+            f"{', '.join(names)} (or torch.float32 / torch.bfloat16 / torch.float16), or 'auto' "
+            "/ None for the model's own (float32 for a config)")
+    return found
+
+
 def resolve_model(model: Any, *, task: str | None = None, dtype: torch.dtype | str | None = None,
                   attn_implementation: str | None = None, peft_config: Any = None,
                   quantization_config: Any = None, meta_cache: dict | None = None) -> ModelSpec:
     """A ``ModelSpec`` of a model (any device), a config, a catalog name or a local directory.
     ``meta_cache`` shares meta instances between specs of one model (the planner's LoRA rungs)."""
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.replace("torch.", ""), None) if dtype != "auto" else None
+    dtype = load_dtype(dtype)
     quant = quant_from(quantization_config)
     if isinstance(model, torch.nn.Module):
         ld = _from_module(model, task, dtype, attn_implementation, peft_config, quant)
@@ -191,7 +217,10 @@ def _meta_model(model_cls: type, config: PretrainedConfig, dtype: torch.dtype,
         if lora_cfg is not None:
             import peft
 
-            m = peft.get_peft_model(m, copy.deepcopy(lora_cfg))
+            from .._compat import quiet_peft
+
+            with quiet_peft():
+                m = peft.get_peft_model(m, copy.deepcopy(lora_cfg))
     return m
 
 

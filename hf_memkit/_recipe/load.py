@@ -18,14 +18,30 @@ from .validate import validate
 def load_recipe(path: str | os.PathLike) -> Recipe:
     """Read and validate a recipe file (or a bundled recipe's name); raise one ``ConfigError``
     listing every problem, each as ``FILE: KEY: what is wrong, what is allowed``."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError([f"load_recipe takes the path of a recipe .yaml file (str or "
+                           f"os.PathLike) or a bundled recipe's name (hf-memkit recipes list), "
+                           f"got {type(path).__name__} {path!r}"], source="load_recipe")
     file = resolve_recipe_path(path)
     where = _display(file)
     try:
-        text = file.read_text()
+        data = file.read_bytes()
     except OSError as exc:
         raise ConfigError([f"{where}: cannot read: {exc.strerror}"], source=where) from None
     try:
-        raw = yaml.safe_load(text)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise ConfigError([f"{where}: line {line}: not UTF-8 text (byte "
+                           f"0x{data[exc.start]:02x} at offset {exc.start}); recipes are UTF-8 "
+                           "YAML: save the file as UTF-8"], source=where) from None
+    try:
+        raw = _safe_load(text)
+    except _RecipeYAMLError as exc:
+        raise ConfigError([f"{where}: {exc}"], source=where) from None
+    except RecursionError:
+        raise ConfigError([f"{where}: the YAML is nested too deeply to read; a recipe is a few "
+                           "levels of plain keys, lists and values"], source=where) from None
     except yaml.constructor.ConstructorError as exc:
         tag = _tag_of(exc)
         raise ConfigError([
@@ -42,6 +58,94 @@ def load_recipe(path: str | os.PathLike) -> Recipe:
                            f"training, hardware, pins, callbacks, output_dir), got "
                            f"{type(raw).__name__}"], source=where)
     return validate(raw, file, where)
+
+
+# -- YAML: yaml.safe_load, with a budget on aliases and no duplicate keys ---------------------
+
+# A recipe is a few dozen values. Anchors and aliases (`&a` / `*a`) are shared when parsed but
+# expanded by everything that walks the data afterwards (validation, error messages, the plan):
+# a few lines of nested aliases ("billion laughs") expand to billions of values. Recipes whose
+# values expand beyond these budgets are rejected before anything walks them.
+MAX_ALIASES = 100
+MAX_VALUES = 10_000
+
+
+class _RecipeYAMLError(yaml.YAMLError):
+    """A recipe file that is valid YAML but not an acceptable recipe (message: line, why, fix)."""
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that rejects duplicate mapping keys (YAML keeps the last one silently)
+    and counts alias uses."""
+
+    aliases = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self.aliases += 1
+            if self.aliases > MAX_ALIASES:
+                mark = self.peek_event().start_mark
+                raise _RecipeYAMLError(
+                    f"line {mark.line + 1}: more than {MAX_ALIASES} YAML aliases (`*name`); a "
+                    "recipe is plain data: write the values out instead of repeating anchors")
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(key)
+                except TypeError:  # an unhashable key: SafeLoader's own error says so
+                    continue
+                line = key_node.start_mark.line + 1
+                if first is not None:
+                    raise _RecipeYAMLError(
+                        f"line {line}: duplicate key `{key}` (first on line {first}); YAML "
+                        "would silently keep only the last value: keep one of them")
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _expanded_size(node, sizes: dict[int, int | None]) -> int:
+    """How many values ``node`` stands for once aliases are expanded (memoised per node, so a
+    shared node is counted in linear time however often it is used)."""
+    if id(node) in sizes:
+        if sizes[id(node)] is None:
+            raise _RecipeYAMLError(
+                f"line {node.start_mark.line + 1}: a YAML anchor contains an alias to itself (a "
+                "recursive value); a recipe is plain data: write the values out")
+        return sizes[id(node)]
+    sizes[id(node)] = None  # being counted: meeting it again below is a cycle
+    if isinstance(node, yaml.SequenceNode):
+        total = 1 + sum(_expanded_size(n, sizes) for n in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        total = 1 + sum(_expanded_size(k, sizes) + _expanded_size(v, sizes)
+                        for k, v in node.value)
+    else:
+        total = 1
+    sizes[id(node)] = total = min(total, MAX_VALUES + 1)
+    return total
+
+
+def _safe_load(text: str):
+    """``yaml.safe_load`` of a recipe within the alias budget, without duplicate keys."""
+    loader = _RecipeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if loader.aliases and _expanded_size(node, {}) > MAX_VALUES:
+            raise _RecipeYAMLError(
+                f"the YAML expands to more than {MAX_VALUES} values through its {loader.aliases} "
+                "alias(es) (`*name`, nested anchors: a 'billion laughs' file); a recipe is a few "
+                "dozen plain values: write them out instead of nesting aliases")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def resolve_recipe_path(path: str | os.PathLike) -> Path:

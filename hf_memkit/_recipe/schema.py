@@ -119,7 +119,9 @@ class Recipe:
         """Keyword arguments of ``plan_training``; ``overrides`` (not None) win."""
         kw = dict(model=self.model_ref(), seq_len=self.seq_len,
                   target_batch_size=self.target_batch_size, device=self.device,
-                  num_gpus=self.num_gpus, method=self.method, headroom=self.headroom,
+                  num_gpus=self.num_gpus, method=self.method,
+                  # with max_memory the headroom is unused (the recipe check warns if both)
+                  headroom=None if self.max_memory is not None else self.headroom,
                   max_memory=self.max_memory, task=self.task, num_nodes=self.num_nodes,
                   engine=self.engine, host_memory=self.host_memory,
                   cuda_version=self.cuda_version, **self.pins)

@@ -5,6 +5,7 @@ function per recipe section fills the ``Recipe`` keyword arguments, and ``valida
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -307,8 +308,12 @@ def _hardware_section(st: _State) -> None:
         if isinstance(hr, (int, float)) and not isinstance(hr, bool) and 0 <= hr < 1:
             st.kw["headroom"] = float(hr)
         else:
-            c.add("hardware.headroom", f"expected a fraction in [0, 1), e.g. 0.1, got "
-                                       f"{_describe(hr)}")
+            c.add("hardware.headroom", f"expected the fraction of device memory kept free, "
+                                       f"in [0, 1) (0.1 keeps 10% free), got {_describe(hr)}")
+        if flat.get("hardware.max_memory") is not None:
+            warnings.warn(f"{c.where}: hardware.headroom ({hr}) is ignored: hardware.max_memory "
+                          f"({flat['hardware.max_memory']}) is the whole budget; drop one of "
+                          "them", UserWarning, stacklevel=2)
 
 
 def _hardware_device(st: _State) -> None:

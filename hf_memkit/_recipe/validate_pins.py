@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from .._errors import ConfigError, did_you_mean
+from .._errors import ConfigError, HfMemkitError, did_you_mean
 from .schema import FIELDS, leaf_key
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ def check_pins(pins: dict[str, Any], c: Checker, *, dev: Any) -> dict[str, Any]:
     """The known ``TrainingArguments`` pins of ``pins``; every problem goes to ``c``: unknown
     fields, values ``TrainingArguments`` rejects and precision the device lacks. (A micro-batch
     or accumulation that does not fit the target batch: ``PlanRequest``.)"""
-    from .._setup import normalize_args, training_args_fields
+    from .._setup import check_field, normalize_args, training_args_fields
 
     fields = training_args_fields()
     known = {}
@@ -34,7 +34,10 @@ def check_pins(pins: dict[str, Any], c: Checker, *, dev: Any) -> dict[str, Any]:
                 hint = f" (did you mean the recipe key `{leaf_key(k)}`?)"
             c.add(f"pins.{k}", f"not a TrainingArguments field{hint}")
         else:
-            known[k] = v
+            try:  # by the field's type and range: learning_rate: abc, max_steps: 0
+                known[k] = check_field(k, v)
+            except HfMemkitError as exc:
+                c.add(f"pins.{k}", str(exc))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:

@@ -7,10 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-
-from .._errors import ConfigError
+from .._errors import ConfigError, HfMemkitError
 
 
 def recipes_parser(sub) -> argparse.ArgumentParser:
@@ -61,6 +58,9 @@ def _without_file(problem: str) -> str:
 
 
 def validate_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
     from .._recipe import bundled_recipes, load_recipe
 
     paths = list(args.paths) or [_bundled_name(p) for p in bundled_recipes()]
@@ -74,8 +74,9 @@ def validate_command(args: argparse.Namespace) -> int:
                          "setup": f"{r.model}{' (overridden)' if r.model_overrides else ''}, "
                                   f"{r.method}, {r.num_gpus} x {r.device or 'this machine'}, "
                                   f"seq {r.seq_len}, batch {r.target_batch_size}"})
-        except ConfigError as exc:
-            rows.append({"path": path, "valid": False, "problems": exc.problems})
+        except HfMemkitError as exc:  # every file is checked: one bad file stops nothing
+            rows.append({"path": path, "valid": False,
+                         "problems": getattr(exc, "problems", None) or [str(exc)]})
     bad = [r for r in rows if not r["valid"]]
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -99,6 +100,9 @@ def validate_command(args: argparse.Namespace) -> int:
 
 
 def list_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
     from .._recipe import bundled_recipes
 
     rows = []
