@@ -16,10 +16,12 @@ import torch
 from .._cuda import parse_cuda_version
 from .._device import resolve_device
 from .._engines import Sharding
-from .._errors import ConfigError
+from .._errors import ConfigError, HfMemkitError
 from .._model.spec import resolve_model
 from .._setup import normalize_args
+from .._units import parse_bytes
 from .activations import TraceCache
+from .budget import headroom_problem, memory_budget, resolve_headroom
 from .phases import BREAKDOWN_SUM_KEYS, estimate_for
 from .result import MemoryEstimate
 
@@ -38,13 +40,37 @@ def _problems(seq_len: Any, stage: Any, target_len: Any) -> list[str]:
     return problems
 
 
+def _warn_precision(amp: str | None, tf32: bool, dev: Any) -> None:
+    """A ``UserWarning`` for precision the device cannot run as asked: the estimate is still
+    made (a plan for other hardware may want it), but it describes a run that will not happen."""
+    import warnings
+
+    cc = ".".join(map(str, dev.compute_capability or ())) or "unknown"
+    if amp == "bf16" and dev.kind == "cuda" and not dev.supports_bf16:
+        warnings.warn(f"bf16=True on {dev.name} (compute capability {cc}): bf16 needs compute "
+                      "capability 8.0 or newer (Ampere+), and TrainingArguments(bf16=True) "
+                      "raises on this GPU; the estimate is for a run that cannot start. Use "
+                      "fp16=True on this GPU", UserWarning, stacklevel=3)
+    if amp == "fp16" and dev.kind == "cpu":
+        warnings.warn("fp16=True on a CPU: fp16 mixed precision needs a GPU (on a CPU "
+                      "accelerate leaves it off and the step runs in fp32), so this estimate of "
+                      "fp16 autocast does not describe a CPU run. On a CPU use bf16=True with "
+                      "use_cpu=True, or no mixed precision; to estimate for a GPU pass "
+                      "device='T4' (or another catalog GPU)", UserWarning, stacklevel=3)
+    if tf32 and dev.kind == "cuda" and not dev.supports_tf32:
+        warnings.warn(f"tf32=True on {dev.name} (compute capability {cc}): TF32 needs an "
+                      "Ampere or newer GPU, and TrainingArguments(tf32=True) raises on this GPU; "
+                      "drop tf32", UserWarning, stacklevel=3)
+
+
 def estimate_memory(model: Any, args: Any = None, *, seq_len: int, device: Any = None,
                     stage: str = "train", task: str | None = None, target_len: int | None = None,
                     dtype: torch.dtype | str | None = None, attn_implementation: str | None = None,
                     peft_config: Any = None, quantization_config: Any = None,
                     padded: bool = False, num_gpus: int | None = None,
                     sharding: Sharding | None = None,
-                    cuda_version: str | None = None) -> MemoryEstimate:
+                    cuda_version: str | None = None, headroom: float | None = None,
+                    max_memory: int | str | None = None) -> MemoryEstimate:
     """Predict the peak memory of one training (``stage="train"``) or eval step.
 
     ``stage="forward_backward"``: the peak of one forward and backward of the model's own loss
@@ -65,6 +91,8 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int, device: Any =
     mask (dynamic padding). ``device``: DeviceInfo, catalog name, ``"cpu"``, or None (this machine).
     ``num_gpus``: data-parallel ranks; with ``fsdp``/``fsdp_config`` or ``deepspeed`` in ``args``
     the estimate is one rank's (FSDP2 / ZeRO shards, gathered layers, buckets), otherwise DDP.
+    ``headroom`` / ``max_memory``: the budget ``fits`` is judged against, as ``plan_training``
+    takes them (``max_memory``, bytes or "20GiB", overrides the device's total x (1 - headroom)).
     """
     problems = _problems(seq_len, stage, target_len)
     if cuda_version is not None:
@@ -72,16 +100,28 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int, device: Any =
             parse_cuda_version(cuda_version)
         except ConfigError as exc:
             problems += exc.problems
+    headroom = resolve_headroom(headroom, max_memory, "estimate_memory")
+    if headroom_problem(headroom):
+        problems.append(headroom_problem(headroom))
+    if max_memory is not None:
+        try:
+            parse_bytes(max_memory)
+        except HfMemkitError as exc:
+            problems.append(f"max_memory: {exc}")
     if problems:
         raise ConfigError(problems, source="estimate_memory")
     setup = normalize_args(args, source="args", num_gpus=num_gpus)
     if sharding is not None:
         setup = setup.replace(sharding=sharding)
     dev = resolve_device(device)
+    _warn_precision(setup.amp, setup.tf32, dev)
     spec = resolve_model(model, task=task, dtype=dtype, attn_implementation=attn_implementation,
                          peft_config=peft_config, quantization_config=quantization_config)
-    return estimate_for(spec, setup, dev, seq_len=seq_len, stage=stage, target_len=target_len,
-                        padded=padded, cuda_version=cuda_version)
+    est = estimate_for(spec, setup, dev, seq_len=seq_len, stage=stage, target_len=target_len,
+                       padded=padded, cuda_version=cuda_version)
+    est.budget, est.budget_basis = memory_budget(dev, headroom=headroom, max_memory=max_memory,
+                                                 this_machine=device is None)
+    return est
 
 
 __all__ = ["BREAKDOWN_SUM_KEYS", "STAGES", "MemoryEstimate", "TraceCache", "estimate_for",

@@ -43,6 +43,21 @@ class MemoryEstimate:
         "help": "2 sigma in bytes; a plan needs device_used + margin to fit (see band)."})
     cuda_version: str | None = field(default=None, metadata={
         "help": "The target's CUDA version the estimate assumed (None off CUDA)."})
+    budget: int | None = field(default=None, metadata={
+        "help": "Bytes the setup may use on the device, as plan_training computes it: "
+                "max_memory if given, else total_memory x (1 - headroom), no more than the "
+                "free memory of this machine's device. None: no budget was given (see fits)."})
+    budget_basis: str = field(default="", metadata={
+        "help": "How the budget was derived, e.g. '90% of 24.00 GiB (headroom 0.1)'."})
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the upper band (``upper`` = device_used + margin) is within ``budget``: the
+        planner's rule. None when there is no budget to judge by, or when this is only a lower
+        bound (``lower_bound``) that is within it."""
+        if self.budget is None or (self.lower_bound and self.upper <= self.budget):
+            return None
+        return self.upper <= self.budget
 
     @property
     def upper(self) -> int:
@@ -65,6 +80,8 @@ class MemoryEstimate:
             "model_states": self.model_states, "host_offloaded": self.host_offloaded,
             "device": self.device.to_dict(), "setup": self.setup.to_dict(),
             "cuda_version": self.cuda_version, "margin": self.margin,
+            "upper": self.upper, "budget": self.budget, "budget_basis": self.budget_basis,
+            "fits": self.fits,
         }
 
     def explain(self) -> str:
@@ -77,6 +94,15 @@ class MemoryEstimate:
                 f"{format_bytes(self.device_used)}, peak_allocated {format_bytes(self.peak_allocated)}"
                 f", peak in {self.peak_phase})")
 
+    def __repr__(self) -> str:
+        from .._render import estimate_repr
+
+        return estimate_repr(self)
+
+    def _repr_html_(self) -> str:
+        from .._html import estimate_html
+
+        return estimate_html(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MemoryEstimate:
@@ -88,4 +114,5 @@ class MemoryEstimate:
             device=DeviceInfo.from_dict(d["device"]), setup=TrainingSetup.from_dict(d["setup"]),
             seq_len=d["seq_len"], uncertainty=d["uncertainty"], notes=list(d["notes"]),
             model_states=d.get("model_states", 0), host_offloaded=d.get("host_offloaded", 0),
-            cuda_version=d.get("cuda_version"), margin=d.get("margin", 0))
+            cuda_version=d.get("cuda_version"), margin=d.get("margin", 0),
+            budget=d.get("budget"), budget_basis=d.get("budget_basis", ""))

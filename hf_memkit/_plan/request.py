@@ -18,6 +18,7 @@ from .._cuda import parse_cuda_version
 from .._device import DeviceInfo, probe_device, resolve_device
 from .._engines import engine_choices
 from .._errors import ConfigError, did_you_mean
+from .._estimate.budget import memory_budget
 from .._methods import METHODS, method_choices
 from .._setup import training_args_fields
 from .._units import parse_bytes
@@ -110,12 +111,10 @@ class PlanRequest:
         return _divisors(self.per_rank)
 
     def budget(self) -> int:
-        if self.max_memory is not None:
-            return parse_bytes(self.max_memory)
-        budget = int(self.dev.total_memory * (1 - self.headroom))
-        if self.probed and self.dev.free_memory is not None:  # this process's device: free now
-            budget = min(budget, self.dev.free_memory)
-        return budget
+        # one rule for plans and estimates (_estimate.budget): max_memory, else total x
+        # (1 - headroom), bounded by free memory on this process's device
+        return memory_budget(self.dev, headroom=self.headroom, max_memory=self.max_memory,
+                             this_machine=self.probed).bytes
 
     def host_budget(self) -> int | None:
         if self.host_memory is not None:

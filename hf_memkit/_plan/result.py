@@ -49,6 +49,12 @@ class Plan:
     num_nodes: int = 1
     parallel: dict[str, Any] = field(default_factory=dict)  # engine, strategy, launch details
 
+    def __post_init__(self) -> None:
+        # the candidates' estimates are judged against the plan's budget (``MemoryEstimate.fits``)
+        for c in self.candidates:
+            if c.estimate is not None and c.estimate.budget is None:
+                c.estimate.budget, c.estimate.budget_basis = self.budget, "the plan's budget"
+
     @property
     def chosen(self) -> Candidate:
         return next(c for c in self.candidates if c.chosen)
@@ -68,7 +74,51 @@ class Plan:
         kwargs.update(overrides)
         if MEMORY_FIELDS & set(overrides) and self.chosen.estimate is not None:
             self._warn_if_override_does_not_fit(kwargs)
-        return TrainingArguments(**kwargs)
+        return self._build(lambda: TrainingArguments(**kwargs), "TrainingArguments")
+
+    def apply_to(self, args: Any) -> Any:
+        """``args`` (``TrainingArguments`` or a subclass: ``SFTConfig``, ``DPOConfig``, your
+        own) with the plan's fields set and every other field kept, as the same class. A planned
+        field that ``args`` had set to another value than its class default is replaced, with a
+        warning naming both values (pin it in ``plan_training`` to keep yours)."""
+        import dataclasses
+
+        from transformers import TrainingArguments
+
+        if not isinstance(args, TrainingArguments):
+            raise HfMemkitError(
+                f"apply_to takes TrainingArguments or a subclass of it (SFTConfig, DPOConfig, "
+                f"...), got {type(args).__name__}; for a dict use "
+                "{**args, **plan.training_args_kwargs}")
+        cls = type(args)
+        init = {f.name for f in dataclasses.fields(cls) if f.init}
+        planned = {k: v for k, v in self.training_args_kwargs.items() if k in init}
+        unknown = sorted(set(self.training_args_kwargs) - init)
+        if unknown:
+            warnings.warn(f"{cls.__name__} has no field(s) {', '.join(unknown)}: the plan's "
+                          "values for them are not applied", stacklevel=2)
+        defaults = _defaults_of(cls, args)
+        for k, v in planned.items():
+            mine = getattr(args, k)
+            if not _same(mine, v) and k in defaults and not _same(mine, defaults[k]):
+                warnings.warn(
+                    f"apply_to: {cls.__name__}.{k}={_plain(mine)!r} is replaced by the plan's "
+                    f"{_plain(v)!r}; to keep yours, plan with it pinned "
+                    f"(plan_training(..., {k}={_plain(mine)!r}))", stacklevel=2)
+        return self._build(lambda: dataclasses.replace(args, **planned), cls.__name__)
+
+    def _build(self, make: Any, what: str) -> Any:
+        """``make()``, with transformers' refusal of the plan on this machine in our words."""
+        try:
+            return make()
+        except ValueError as exc:
+            here = "CUDA" if torch.cuda.is_available() else "no CUDA device"
+            raise HfMemkitError(
+                f"{what} refused the plan here: {exc}\nThe plan is for {self.device.name} "
+                f"({self.device.kind}); this machine has {here}, and {what} checks bf16, fp16 "
+                "and tf32 against the machine that builds it. Build the arguments on the "
+                "target machine (carry the plan there with plan.to_json() / Plan.from_json()), "
+                "or use the plain dict plan.training_args_kwargs") from exc
 
     def _warn_if_override_does_not_fit(self, kwargs: dict[str, Any]) -> None:
         from .._estimate import estimate_memory
@@ -90,15 +140,19 @@ class Plan:
                 f"budget of {format_bytes(self.budget)} on {self.device.name}:\n{est.explain()}",
                 stacklevel=3)
 
-    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Apply the plan to a loaded model: attention kernel, the method (k-bit preparation,
-        LoRA) and the searched techniques (checkpointing: non-reentrant, safe with PEFT)."""
+    def set_attention(self, model: torch.nn.Module) -> None:
+        """Switch a loaded model to the plan's attention kernel, in place."""
         attn = self.model_kwargs.get("attn_implementation")
         if attn and hasattr(model, "set_attn_implementation"):
             try:
                 model.set_attn_implementation(attn)
             except Exception as exc:  # the loaded model may not support it: keep its own
-                warnings.warn(f"kept the model's attention ({exc})", stacklevel=2)
+                warnings.warn(f"kept the model's attention ({exc})", stacklevel=3)
+
+    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Apply the plan to a loaded model: attention kernel, the method (k-bit preparation,
+        LoRA) and the searched techniques (checkpointing: non-reentrant, safe with PEFT)."""
+        self.set_attention(model)
         engine = ENGINES.get(self.parallel.get("engine", "none"))
         # an engine that owns checkpointing (FSDP: fsdp_config) applies it when it wraps
         owned = {CHECKPOINTING} if engine.owns_checkpointing else set()
@@ -137,8 +191,26 @@ class Plan:
     def __str__(self) -> str:
         return self.explain()
 
-    def to_dict(self) -> dict[str, Any]:
+    def __repr__(self) -> str:
+        from .._render import plan_repr
+
+        return plan_repr(self)
+
+    def _repr_html_(self) -> str:
+        from .._html import plan_html
+
+        return plan_html(self)
+
+    def to_dict(self, *, full: bool = True) -> dict[str, Any]:
+        """JSON-ready. ``chosen`` first: the chosen setup, its memory and its arguments.
+        ``full=False`` (``hf-memkit plan --json``): only the estimated setups, the full estimate
+        on the chosen one, and the rest counted by reason in ``candidates_not_estimated``;
+        ``from_dict`` reads both forms."""
+        cands = {"candidates": [c.to_dict() for c in self.candidates]} if full else {
+            "candidates": ser.compact_candidates(self.candidates),
+            "candidates_not_estimated": ser.rejected_summary(self.candidates)}
         return {
+            "chosen": ser.chosen_summary(self),
             "device": self.device.to_dict(), "model_name": ser.model_ref_to_json(self.model_name),
             "seq_len": self.seq_len,
             "target_batch_size": self.target_batch_size, "num_gpus": self.num_gpus,
@@ -147,12 +219,13 @@ class Plan:
             "model_kwargs": ser.model_kwargs_to_json(self.model_kwargs),
             "peft_config": ser.peft_to_dict(self.peft_config),
             "accelerator_kwargs": self.accelerator_kwargs,
-            "candidates": [c.to_dict() for c in self.candidates], "notes": list(self.notes),
+            **cands, "notes": list(self.notes),
             "num_nodes": self.num_nodes, "parallel": self.parallel,
         }
 
-    def to_json(self, **kw: Any) -> str:
-        return json.dumps(self.to_dict(), **kw)
+    def to_json(self, *, full: bool = True, **kw: Any) -> str:
+        """``to_dict(full=full)`` as JSON; ``kw`` go to ``json.dumps``."""
+        return json.dumps(self.to_dict(full=full), **kw)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
@@ -180,3 +253,30 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> Plan:
         return cls.from_dict(json.loads(text))
+
+
+def _plain(v: Any) -> Any:
+    """An enum field's value as the user wrote it."""
+    return getattr(v, "value", v)
+
+
+def _same(a: Any, b: Any) -> bool:
+    a, b = _plain(a), _plain(b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return [_plain(x) for x in a] == [_plain(x) for x in b]
+    return a == b
+
+
+def _defaults_of(cls: type, args: Any) -> dict[str, Any]:
+    """Each field's value in ``cls`` built with nothing set (after ``__post_init__``, which fills
+    some defaults in), else the field defaults."""
+    import dataclasses
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fresh = cls(output_dir=args.output_dir)
+        return {f.name: getattr(fresh, f.name) for f in dataclasses.fields(cls) if f.init}
+    except Exception:  # a class that needs more than output_dir
+        return {f.name: f.default for f in dataclasses.fields(cls)
+                if f.init and f.default is not dataclasses.MISSING}

@@ -72,3 +72,63 @@ def estimate_kwargs(model_kwargs: dict[str, Any], peft_config: Any) -> dict[str,
     return {"dtype": None if quant is not None else model_kwargs.get("dtype"),
             "attn_implementation": model_kwargs.get("attn_implementation"),
             "quantization_config": quant, "peft_config": peft_config}
+
+
+# -- what `hf-memkit plan --json` prints by default: the choice first, the search summarised ----
+
+def rejection_kind(reason: str) -> str:
+    """A rejected setup's reason without its numbers, so that like rejections group together."""
+    if "alone need" in reason:
+        return "weights + gradients + optimizer state alone exceed the budget"
+    if reason.startswith("offload needs"):
+        return "offload needs more host RAM per node than host_memory"
+    if reason.startswith("a smaller micro-batch"):
+        return "a smaller micro-batch of the same setup already does not fit"
+    return reason
+
+
+def rejected_summary(candidates: list) -> dict[str, int]:
+    """How many setups were not estimated, by kind of reason."""
+    out: dict[str, int] = {}
+    for c in candidates:
+        if c.estimate is None and c.device_used is None:
+            key = rejection_kind(c.reason)
+            out[key] = out.get(key, 0) + 1
+    return out
+
+
+def estimate_summary(est: Any) -> dict[str, Any] | None:
+    """The memory of one setup in a few numbers (bytes), with its verdict."""
+    if est is None:
+        return None
+    return {"device_used": est.device_used, "upper": est.upper,
+            "margin": est.upper - est.device_used, "budget": est.budget, "fits": est.fits,
+            "peak_allocated": est.peak_allocated, "peak_reserved": est.peak_reserved,
+            "peak_phase": est.peak_phase,
+            "breakdown": dict(est.breakdown), "host_offloaded": est.host_offloaded}
+
+
+def chosen_summary(plan: Any) -> dict[str, Any]:
+    """The chosen setup, its memory and the arguments that apply it."""
+    c = plan.chosen
+    return {"label": c.label(), "method": c.method, "precision": c.precision, "optim": c.optim,
+            "techniques": list(c.techniques), "micro_batch": c.micro_batch,
+            "grad_accum": c.grad_accum, "num_gpus": plan.num_gpus, "attn": c.attn,
+            "parallel": c.parallel, "rel_time": c.rel_time, "fits": c.fits,
+            "memory": estimate_summary(c.estimate),
+            "training_args_kwargs": plan.training_args_kwargs,
+            "model_kwargs": model_kwargs_to_json(plan.model_kwargs)}
+
+
+def compact_candidates(candidates: list) -> list[dict[str, Any]]:
+    """The estimated setups (``Candidate`` fields; the full estimate on the chosen one only):
+    ``Plan.from_dict`` reads them back."""
+    out = []
+    for c in candidates:
+        if c.estimate is None and c.device_used is None:
+            continue
+        d = c.to_dict()
+        if not c.chosen:
+            d["estimate"] = None
+        out.append(d)
+    return out

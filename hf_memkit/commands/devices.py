@@ -5,11 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from rich.console import Console
-
-from .._device import get_device, list_devices
-from .._render import catalog_table
-
 
 def devices_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
@@ -23,11 +18,16 @@ def devices_parser(sub) -> argparse.ArgumentParser:
 
 
 def devices_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .._device import get_device, list_devices
+    from .._render import catalog_table, print_tables
+
     devs = [get_device(n) for n in list_devices()]
     if args.json:
         print(json.dumps([d.to_dict() for d in devs], indent=2))
     else:
-        Console().print(catalog_table(devs))
+        print_tables(Console(), catalog_table(devs))
     return 0
 
 

@@ -5,18 +5,57 @@ from __future__ import annotations
 import argparse
 import json
 
-from rich.console import Console
-
 from .._errors import HfMemkitError
-from .._estimate import estimate_memory
 from .._model.tasks import task_choices
-from .._render import estimate_table
+
+
+class FieldError(argparse.ArgumentTypeError, HfMemkitError):
+    """A bad ``FIELD=VALUE``: argparse prints its message and exits 2; read outside argparse it
+    is an ``HfMemkitError`` (exit 2 too)."""
+
+
+# --dtype values: the floating dtypes weights can be loaded in (estimate_memory's `dtype`)
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+def fraction(text: str) -> float:
+    """``--headroom``: the fraction of device memory kept free, in [0, 1)."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = None
+    if v is None or not 0 <= v < 1:
+        raise FieldError(f"expected the fraction of device memory kept free, in [0, 1) (0.1 "
+                         f"keeps 10% free), got `{text}`")
+    return v
+
+
+def positive_int(text: str) -> int:
+    """``--seq-len``, ``--batch``, ``--num-gpus``: an integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise FieldError(f"expected a positive integer, got `{text}`")
+    return v
 
 
 def parse_field(text: str) -> tuple[str, object]:
-    if "=" not in text:
-        raise argparse.ArgumentTypeError(f"expected FIELD=VALUE, got `{text}`")
-    key, value = text.split("=", 1)
+    """``FIELD=VALUE`` -> (field, value). A bool/int/float ``TrainingArguments`` field's value is
+    parsed by the field's type (``bf16=False`` is False: true/false, 1/0, yes/no); other values
+    are read as JSON (``fsdp_config={...}``), else kept as text."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise FieldError(f"expected FIELD=VALUE (a TrainingArguments field, e.g. bf16=true or "
+                         f"optim=adafactor), got `{text}`")
+    from .._setup import check_field, training_args_types
+
+    if key in training_args_types():
+        try:
+            return key, check_field(key, value)
+        except HfMemkitError as exc:
+            raise FieldError(f"{text}: {exc}") from None
     try:
         return key, json.loads(value)
     except json.JSONDecodeError:
@@ -44,8 +83,10 @@ def estimate_parser(sub) -> argparse.ArgumentParser:
                    help="any TrainingArguments field, e.g. bf16=true optim=adafactor")
     p.add_argument("--gpu", default=None, help="catalog GPU (hf-memkit devices) or 'cpu'; "
                                                "default: this machine")
-    p.add_argument("--seq-len", type=int, required=True, help="longest sequence in a batch")
-    p.add_argument("--batch", type=int, default=None, help="per_device_train_batch_size")
+    p.add_argument("--seq-len", type=positive_int, required=True,
+                   help="longest sequence in a batch")
+    p.add_argument("--batch", type=positive_int, default=None,
+                   help="per_device_train_batch_size")
     p.add_argument("--task", default=None, metavar="TASK", choices=task_choices(),
                    help=f"head: {', '.join(task_choices(aliases=False))}")
     p.add_argument("--stage", default="train", choices=("train", "eval", "forward_backward"),
@@ -54,8 +95,10 @@ def estimate_parser(sub) -> argparse.ArgumentParser:
                    help="the target's CUDA, e.g. 12.8 (default: the installed torch's, else "
                         "13.0); CUDA < 11.7 or CUDA_MODULE_LOADING=EAGER loads every kernel "
                         "into a larger context")
-    p.add_argument("--dtype", default=None, help="load dtype (bfloat16 = pure bf16 training)")
-    p.add_argument("--num-gpus", type=int, default=None,
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="load dtype (bfloat16 = pure bf16 training; default: the model's, "
+                        "float32 for a config)")
+    p.add_argument("--num-gpus", type=positive_int, default=None,
                    help="data-parallel ranks: one rank's memory under DDP, or the FSDP / "
                         "DeepSpeed sharding given by fsdp=... / deepspeed=... fields")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -63,11 +106,21 @@ def estimate_parser(sub) -> argparse.ArgumentParser:
                    help="instead: the largest micro-batch that fits (reverse query)")
     p.add_argument("--max-seq-len", action="store_true",
                    help="instead: the longest seq_len (multiple of 64) that fits, up to --seq-len")
-    p.add_argument("--headroom", type=float, default=0.1, help="for --max-batch/--max-seq-len")
+    p.add_argument("--headroom", type=fraction, default=None,
+                   help="fraction of device memory kept free, in [0, 1) (default 0.1): the "
+                        "budget of the verdict (fits) and of --max-batch/--max-seq-len")
+    p.add_argument("--max-memory", default=None, metavar="SIZE",
+                   help="explicit budget instead of the device's, e.g. 20GiB (as in plan): "
+                        "what the verdict (fits) and --max-batch/--max-seq-len use")
     return p
 
 
 def estimate_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .._estimate import estimate_memory  # torch and transformers: only when a command runs
+    from .._render import estimate_table, print_tables
+
     fields = dict(args.fields)
     if args.batch is not None:
         fields["per_device_train_batch_size"] = args.batch
@@ -76,7 +129,7 @@ def estimate_command(args: argparse.Namespace) -> int:
         from .._plan import max_batch_size, max_seq_len
 
         kw = dict(device=args.gpu, headroom=args.headroom, task=args.task, dtype=args.dtype,
-                  cuda_version=args.cuda_version)
+                  cuda_version=args.cuda_version, max_memory=args.max_memory)
         if args.max_batch:
             n = max_batch_size(args.model, fields, seq_len=args.seq_len, **kw)
             text = f"largest micro-batch that fits at seq_len {args.seq_len}: {n}"
@@ -90,13 +143,15 @@ def estimate_command(args: argparse.Namespace) -> int:
     try:
         est = estimate_memory(args.model, fields, seq_len=args.seq_len, device=args.gpu,
                               stage=args.stage, task=args.task, dtype=args.dtype,
-                              num_gpus=args.num_gpus, cuda_version=args.cuda_version)
+                              num_gpus=args.num_gpus, cuda_version=args.cuda_version,
+                              max_memory=args.max_memory,
+                              **({} if args.headroom is None else {"headroom": args.headroom}))
     except ValueError as exc:
         raise HfMemkitError(str(exc)) from exc
     if args.json:
         print(json.dumps(est.to_dict(), indent=2, default=str))
     else:
-        Console().print(estimate_table(est))
+        print_tables(Console(), estimate_table(est))
     return 0
 
 

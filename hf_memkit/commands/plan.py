@@ -5,14 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rich.console import Console
-
 from .._engines import engine_choices
 from .._errors import HfMemkitError
 from .._methods import method_choices
 from .._model.tasks import task_choices
-from .._plan import plan_training
-from .estimate import parse_field
+from .estimate import fraction, parse_field, positive_int
 
 RECIPE_SUFFIXES = (".yaml", ".yml")
 
@@ -42,29 +39,34 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                    help="TrainingArguments fields to pin, e.g. optim=adamw_torch_fused")
     p.add_argument("--gpu", default=None, help="catalog GPU or 'cpu'; default: this machine "
                                                "(or the recipe's hardware.device)")
-    p.add_argument("--num-gpus", type=int, default=None,
+    p.add_argument("--num-gpus", type=positive_int, default=None,
                    help="data-parallel ranks over all nodes (DDP, else FSDP2 / ZeRO sharding)")
-    p.add_argument("--num-nodes", type=int, default=None, help="nodes (default 1)")
+    p.add_argument("--num-nodes", type=positive_int, default=None, help="nodes (default 1)")
     p.add_argument("--engine", default=None, choices=engine_choices(),
                    help="data-parallel engine (default auto: DDP if a replica fits, else FSDP2)")
     p.add_argument("--host-memory", default=None,
                    help="CPU RAM per node that offload may use, e.g. 512GiB")
-    p.add_argument("--seq-len", type=int, default=None,
+    p.add_argument("--seq-len", type=positive_int, default=None,
                    help="tokens per sequence (required without a recipe)")
-    p.add_argument("--target-batch", type=int, default=None,
+    p.add_argument("--target-batch", type=positive_int, default=None,
                    help="effective batch size (required without a recipe)")
     p.add_argument("--method", default=None, choices=method_choices(),
                    help="default: auto (or the recipe's)")
     p.add_argument("--max-memory", default=None, help="explicit budget, e.g. 20GiB")
-    p.add_argument("--headroom", type=float, default=None,
-                   help="fraction of memory kept free (default 0.1)")
+    p.add_argument("--headroom", type=fraction, default=None,
+                   help="fraction of memory kept free, in [0, 1) (default 0.1; ignored with "
+                        "--max-memory)")
     p.add_argument("--task", default=None, metavar="TASK", choices=task_choices(),
                    help=f"head: {', '.join(task_choices(aliases=False))}")
     p.add_argument("--cuda-version", default=None, metavar="X.Y",
                    help="the target's CUDA, e.g. 12.8 (default: the installed torch's, else "
                         "13.0); CUDA < 11.7 or CUDA_MODULE_LOADING=EAGER loads every kernel "
                         "into a larger context")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--json", action="store_true",
+                   help="print the plan as JSON: `chosen` (setup, memory, fits, training args) "
+                        "first, then the estimated setups; Plan.from_json reads it")
+    p.add_argument("--full", action="store_true",
+                   help="with --json: every setup considered, each with its full estimate")
     return p
 
 
@@ -81,6 +83,8 @@ def is_recipe_ref(ref: str) -> bool:
 
 
 def plan_command(args: argparse.Namespace) -> int:
+    from .._plan import plan_training  # torch and transformers: only when a command runs
+
     pins = dict(args.fields)
     cli = dict(device=args.gpu, num_gpus=args.num_gpus, seq_len=args.seq_len,
                target_batch_size=args.target_batch, method=args.method,
@@ -100,15 +104,22 @@ def plan_command(args: argparse.Namespace) -> int:
                                 f"(`{args.model}`); or give a recipe .yaml that sets them")
         kwargs = dict(model=args.model, **{k: v for k, v in cli.items() if v is not None},
                       **pins)
+    if args.headroom is not None and kwargs.get("max_memory") is not None:
+        import sys
+
+        print(f"hf-memkit plan: note: --headroom {args.headroom} is ignored: max_memory "
+              f"{kwargs['max_memory']} is the whole budget (drop one of them)", file=sys.stderr)
+    if kwargs.get("max_memory") is not None:
+        kwargs["headroom"] = None  # said above (or a recipe's default): no second warning
     plan = plan_training(**kwargs)
     if args.json:
-        print(plan.to_json(indent=2))
+        print(plan.to_json(full=args.full, indent=2))
     else:
-        from .._render import plan_tables
+        from rich.console import Console
 
-        console = Console()
-        for table in plan_tables(plan):
-            console.print(table)
+        from .._render import plan_tables, print_tables
+
+        print_tables(Console(), *plan_tables(plan))
     return 0
 
 

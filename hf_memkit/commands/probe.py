@@ -5,11 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from rich.console import Console
-
-from .._device import probe_device
-from .._render import device_table
-
 
 def probe_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
@@ -24,11 +19,16 @@ def probe_parser(sub) -> argparse.ArgumentParser:
 
 
 def probe_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .._device import probe_device
+    from .._render import device_table, print_tables
+
     dev = probe_device(args.index)
     if args.json:
         print(json.dumps(dev.to_dict(), indent=2))
     else:
-        Console().print(device_table(dev, title="This machine"))
+        print_tables(Console(), device_table(dev, title="This machine"))
     return 0
 
 
