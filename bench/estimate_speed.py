@@ -22,6 +22,7 @@ import json, resource, time, warnings
 warnings.filterwarnings("ignore")
 t_import = time.perf_counter()
 import hf_memkit as mk
+mk.estimate_memory  # names import on first use (torch, transformers): inside the import time
 t_import = time.perf_counter() - t_import
 rss_after_import = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 args = dict(bf16=True, optim="adamw_torch", per_device_train_batch_size=1,

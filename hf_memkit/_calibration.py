@@ -29,12 +29,13 @@ import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ._errors import ConfigError, HfMemkitError
 from ._units import GiB
+
+if TYPE_CHECKING:  # torch is imported where a measurement runs: `calibrate --help` needs none
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -299,6 +300,8 @@ def _warn_other_processes(pynvml: Any, handle: Any) -> None:
 
 def _growth(device: torch.device, fn) -> int:
     """Allocator bytes still held after ``fn`` returns (everything it made is freed by then)."""
+    import torch
+
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     fn()
@@ -311,6 +314,8 @@ def _workspaces(device: torch.device, dtypes: list[torch.dtype]) -> tuple[int, i
     workspace per (cuBLAS handle, stream) and handles are per thread, so the first matmul of the
     main thread and the first backward matmul (autograd's device thread) each allocate one
     (aten/src/ATen/cuda/CublasHandlePool.cpp). mm and addmm (the cuBLASLt path) in each dtype."""
+    import torch
+
     def make(dt, grad=False):
         kw = dict(device=device, dtype=dt, requires_grad=grad)
         return (torch.full((256, 512), 0.01, **kw), torch.full((512, 512), 0.01, **kw),
@@ -332,6 +337,8 @@ def _workspaces(device: torch.device, dtypes: list[torch.dtype]) -> tuple[int, i
 
 def _reference_step(device: torch.device, bf16: bool) -> tuple[int, int]:
     """(max allocated, max reserved) of steps 2..3 of the reference model with torch AdamW."""
+    import torch
+
     from ._model.profile import build_model
 
     config = reference_config()
@@ -355,6 +362,8 @@ def _reference_step(device: torch.device, bf16: bool) -> tuple[int, int]:
 
 
 def _check_fresh(index: int) -> None:
+    import torch
+
     if not torch.cuda.is_available():
         raise HfMemkitError("calibration needs a CUDA GPU, and torch sees none here; plans and "
                             "estimates for a catalog GPU (--gpu A100-80GB) work without one")
@@ -377,6 +386,8 @@ def measure_calibration(index: int = 0) -> Calibration:
        peaks of steps 2..3: ``reserved_over_allocated``; then, after ``synchronize``,
        ``context`` = NVML used - ``memory_reserved``.
     """
+    import torch
+
     from ._compat import require
     from ._cuda import cublas_workspace
     from ._device import nvml_handle, probe_device

@@ -1,13 +1,19 @@
 """Fences around optional dependencies (STYLE.md §11).
 
 Each ``is_*_available`` answers without importing the package twice; ``require`` raises an
-error that names the feature lost and the extra that brings it back.
+error that names the feature lost and the extra that brings it back; ``quiet_notices`` drops
+the notices that our own imports and traces make third-party packages log, ``quiet_peft`` the
+deprecation warnings peft triggers in transformers when our code calls it.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 
 from ._errors import HfMemkitError
@@ -53,3 +59,84 @@ def require(module: str, feature: str):
         extra = _EXTRA.get(module)
         hint = f"pip install 'hf-memkit[{extra}]'" if extra else f"pip install {module}"
         raise HfMemkitError(f"{feature} needs `{module}`, which is not installed; {hint}") from exc
+
+
+# Notices third-party packages log because of what our code does, not what the user did:
+# (logger, start of the message); one line per notice.
+NOTICES: tuple[tuple[str, str], ...] = (
+    # At import: transformers' TrainingArguments and Trainer modules import peft when it is
+    # installed, and peft imports bitsandbytes. bitsandbytes >= 0.49 on a CPU with AVX512-BF16
+    # but without the `kernels` package then says it uses its own CPU 4-bit GEMM
+    # (bitsandbytes/backends/cpu/ops.py).
+    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),
+    # A trace of a model whose class name maps to no loss type (GPT2LMHeadModel, ...):
+    # transformers falls back to ForCausalLMLoss, as it does in the user's own run
+    # (PreTrainedModel.loss_function).
+    ("transformers.modeling_utils", "`loss_type=None` was set in the config"),
+    # Trainer -> accelerate's unwrap_model imports deepspeed when it is installed, and deepspeed
+    # on a machine without a GPU says it falls back to the CPU (deepspeed/accelerator/
+    # real_accelerator.py, through its "DeepSpeed" logger).
+    ("DeepSpeed", "Setting accelerator to CPU"),
+)
+
+
+class _DropNotice(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+@contextmanager
+def quiet_notices() -> Iterator[None]:
+    """Drop ``NOTICES`` while the body runs (our imports of optional stacks, our traces), and
+    only then: a user who imports bitsandbytes first still sees what it says. Also a decorator."""
+    added = [(logging.getLogger(name), _DropNotice(prefix)) for name, prefix in NOTICES]
+    for logger, notice in added:
+        logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        for logger, notice in added:
+            logger.removeFilter(notice)
+
+
+# Warnings our calls into peft trigger: (category, regex of the message); one line per warning.
+PEFT_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
+    # transformers 5 deprecates its `gradient_checkpointing` spellings (removal in v6) and peft
+    # still uses them: get_peft_model reads `model.is_gradient_checkpointing`
+    # (peft/peft_model.py), prepare_model_for_kbit_training calls `gradient_checkpointing_enable`
+    # (peft/utils/other.py).
+    (FutureWarning, r"`is_gradient_checkpointing` is deprecated"),
+    (FutureWarning, r"`gradient_checkpointing_enable` is deprecated"),
+    # our LoRA defaults on GPT-2's Conv1D layers: peft sets fan_in_fan_out itself
+    # (peft/tuners/lora/layer.py)
+    (UserWarning, r"fan_in_fan_out is set to False but the target module is `Conv1D`"),
+)
+
+
+@contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """transformers' tqdm bars off while the body runs ("Writing model shards" when our train
+    command saves the model: its own progress bar and summary already say where)."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+@contextmanager
+def quiet_peft() -> Iterator[None]:
+    """Drop ``PEFT_WARNINGS`` while the body calls into peft (ours to fix, not the user's: the
+    user's own transformers and peft calls still warn)."""
+    with warnings.catch_warnings():
+        for category, message in PEFT_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        yield

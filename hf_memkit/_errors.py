@@ -10,6 +10,13 @@ class HfMemkitError(ValueError):
     """Bad input to hf_memkit. A ``ValueError``, so existing ``except ValueError`` keeps working."""
 
 
+class TrainingFailed(RuntimeError):
+    """The run itself failed (after planning and setup succeeded): exit code 1.
+
+    Defined here, not in ``_train`` (which re-exports it), so the CLI root can catch it without
+    importing torch."""
+
+
 class ConfigError(HfMemkitError):
     """Several problems found at once in one configuration; each is listed on its own line."""
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ._compat import quiet_notices
 from ._cuda_emulation import CudaTarget, emulate_cuda
 from ._errors import HfMemkitError
 from ._model.facts import DECODER_DEPTH_KEYS, DEPTH_KEYS, ENCODER_DEPTH_KEYS
@@ -319,7 +320,10 @@ def build_fake(model_cls: type, config: Any, *, fm: Any, attn_implementation: st
         if lora is not None:
             import peft
 
-            model = peft.get_peft_model(model, copy.deepcopy(lora.peft_config))
+            from ._compat import quiet_peft
+
+            with quiet_peft():
+                model = peft.get_peft_model(model, copy.deepcopy(lora.peft_config))
             if lora.quantized_4bit:
                 base = model.get_base_model()
                 for name, linear in quantizable_linears(base):
@@ -360,6 +364,7 @@ def _train_micro_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], lo
     record("backward" + suffix)
 
 
+@quiet_notices()  # transformers' notices about the traced model are not the user's to act on
 def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq_len: int,
                grad_accum: int = 1, amp: str | None = None, dtype: torch.dtype = torch.float32,
                attn_implementation: str | None = None, lora: LoraSpec | None = None,

@@ -22,12 +22,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-from rich.console import Console
-from rich.table import Table
-from transformers import TrainerCallback
+from typing import TYPE_CHECKING, Any
 
 from .._calibration import (
     Calibration,
@@ -36,9 +31,11 @@ from .._calibration import (
     find_calibration,
     save_calibration,
 )
-from .._errors import HfMemkitError
-from .._train import TrainingFailed
+from .._errors import HfMemkitError, TrainingFailed
 from .._units import format_bytes
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 CHECK_STEPS = 4          # peaks of steps 2..4 (the first step's lazy allocations excluded)
 WORKER_TIMEOUT = 900     # seconds per child process
@@ -110,6 +107,8 @@ def run_calibration(index: int, *, check: bool = False) -> tuple[Calibration, Pa
 
 
 def calibrate_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
     cal, path, rows = run_calibration(args.device, check=args.check)
     if args.json:
         print(json.dumps({"calibration": cal.to_dict(), "path": str(path), "checks": rows},
@@ -124,6 +123,8 @@ def calibrate_command(args: argparse.Namespace) -> int:
 
 
 def _require_cuda(index: int) -> None:
+    import torch
+
     try:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:  # a broken driver install
@@ -211,6 +212,7 @@ def check_fields(setup: CheckSetup, bf16: bool) -> dict[str, Any]:
 def measure_check(setup: CheckSetup) -> dict[str, Any]:
     """In the child (CUDA device 0): predict ``setup``, then train it through the Trainer and
     read the peaks of steps 2..CHECK_STEPS and NVML used at the last step."""
+    import torch
     from transformers import Trainer, TrainingArguments
 
     from .._calibration import reference_config
@@ -230,7 +232,7 @@ def measure_check(setup: CheckSetup) -> dict[str, Any]:
                                 num_samples=setup.batch * CHECK_STEPS)
     pynvml.nvmlInit()
     try:
-        probe = StepProbe(CHECK_STEPS, pynvml, nvml_handle(pynvml, 0))
+        probe = step_probe_class()(CHECK_STEPS, pynvml, nvml_handle(pynvml, 0))
         with tempfile.TemporaryDirectory(prefix="hf_memkit_check_") as out:
             args = TrainingArguments(output_dir=out, max_steps=CHECK_STEPS, report_to=[],
                                      save_strategy="no", disable_tqdm=True, learning_rate=1e-4,
@@ -245,25 +247,33 @@ def measure_check(setup: CheckSetup) -> dict[str, Any]:
                           "device_used": est.device_used}}
 
 
-class StepProbe(TrainerCallback):
-    """Resets the CUDA peaks after step 1; at step ``steps`` (after ``synchronize``) reads
-    max allocated, max reserved and NVML used (plus reserved bytes freed since the peak)."""
+def step_probe_class() -> type:
+    """``StepProbe``, a ``transformers.TrainerCallback`` defined on first use: importing this
+    module (the CLI root registers every command's parser) must not import transformers."""
+    import torch
+    from transformers import TrainerCallback
 
-    def __init__(self, steps: int, pynvml: Any, handle: Any):
-        self.steps, self.pynvml, self.handle = steps, pynvml, handle
-        self.result: dict[str, int] | None = None
+    class StepProbe(TrainerCallback):
+        """Resets the CUDA peaks after step 1; at step ``steps`` (after ``synchronize``) reads
+        max allocated, max reserved and NVML used (plus reserved bytes freed since the peak)."""
 
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == 1:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        elif state.global_step == self.steps:
-            torch.cuda.synchronize()
-            reserved = int(torch.cuda.max_memory_reserved())
-            used = int(self.pynvml.nvmlDeviceGetMemoryInfo(self.handle).used)
-            self.result = {"allocated": int(torch.cuda.max_memory_allocated()),
-                           "reserved": reserved,
-                           "device_used": used + max(0, reserved - int(torch.cuda.memory_reserved()))}
+        def __init__(self, steps: int, pynvml: Any, handle: Any):
+            self.steps, self.pynvml, self.handle = steps, pynvml, handle
+            self.result: dict[str, int] | None = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            elif state.global_step == self.steps:
+                torch.cuda.synchronize()
+                reserved = int(torch.cuda.max_memory_reserved())
+                used = int(self.pynvml.nvmlDeviceGetMemoryInfo(self.handle).used)
+                freed = max(0, reserved - int(torch.cuda.memory_reserved()))
+                self.result = {"allocated": int(torch.cuda.max_memory_allocated()),
+                               "reserved": reserved, "device_used": used + freed}
+
+    return StepProbe
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,6 +282,8 @@ class StepProbe(TrainerCallback):
 
 
 def calibration_table(cal: Calibration) -> Table:
+    from rich.table import Table
+
     t = Table(title=f"Calibration of {cal.gpu}", show_header=False)
     t.add_column("field", style="bold")
     t.add_column("value")
@@ -289,6 +301,8 @@ def calibration_table(cal: Calibration) -> Table:
 
 
 def check_table(rows: list[dict[str, Any]]) -> Table:
+    from rich.table import Table
+
     t = Table(title=f"Predicted / measured, steps 2..{CHECK_STEPS} (reference model)")
     for col in ("setup", "allocated", "reserved", "NVML used", "NVML error"):
         t.add_column(col, no_wrap=col == "setup")

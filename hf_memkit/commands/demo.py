@@ -5,12 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
-
 from .._demo import DEMO_RECIPE
-from .._device import probe_device
-from .._render import device_table
-from .train import run_train
 
 
 def demo_parser(sub) -> argparse.ArgumentParser:
@@ -31,6 +26,12 @@ def demo_parser(sub) -> argparse.ArgumentParser:
 
 
 def demo_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .._device import probe_device
+    from .._render import device_table
+    from .train import run_train
+
     console = Console()
     console.print(device_table(probe_device(), title="This machine"))
     return run_train(DEMO_RECIPE, output_dir=args.output_dir, max_steps=args.steps,

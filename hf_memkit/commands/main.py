@@ -8,8 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .._errors import HfMemkitError
-from .._train import TrainingFailed
+from .._errors import HfMemkitError, TrainingFailed
 from . import calibrate, demo, devices, estimate, plan, probe, recipes, train
 
 COMMANDS = (devices, probe, calibrate, estimate, plan, train, recipes, demo)
@@ -45,12 +44,19 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         from .estimate import parse_field
 
-        args.fields = list(args.fields) + [parse_field(e) for e in extra]
+        try:
+            args.fields = list(args.fields) + [parse_field(e) for e in extra]
+        except HfMemkitError as exc:
+            print(f"hf-memkit {args.command}: error: {exc}", file=sys.stderr)
+            return 2
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from .._compat import quiet_notices
+
     try:
-        return int(args.func(args) or 0)
+        with quiet_notices():  # no third-party notices that our own calls trigger
+            return int(args.func(args) or 0)
     except HfMemkitError as exc:
         print(f"hf-memkit {args.command}: error: {exc}", file=sys.stderr)
         return 2
