@@ -10,12 +10,13 @@ it may use, and its compute per token for the cost model.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from .._compat import is_bitsandbytes_available, is_peft_available
+from .._compat import is_bitsandbytes_available, is_peft_available, quiet_peft
 from .._registry import Registry
+
+if TYPE_CHECKING:
+    import torch
 
 # LoRA defaults of the plan (peft.LoraConfig): the QLoRA paper's recipe, adapters on every linear.
 LORA_DEFAULTS = dict(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear")
@@ -23,6 +24,8 @@ _EXTRAS = {"peft": ("peft", is_peft_available), "bitsandbytes": ("bnb", is_bitsa
 
 
 def half_dtype(dev: Any) -> torch.dtype:
+    import torch  # imported on use: the CLI's parsers read this registry without torch
+
     return torch.bfloat16 if dev.supports_bf16 else torch.float16
 
 
@@ -33,6 +36,7 @@ class Method:
     selected_by: tuple[str, ...] = ("auto", "full")  # plan_training(method=...) values
     needs: tuple[str, ...] = ()
     adapters = False
+    quant_bits: int | None = None  # bits of the frozen base's quantized weights (None: 16/32-bit)
     slowdown = 1.0           # the step's compute relative to 16-bit matmuls of the same shapes
     note: str | None = None  # said in the plan when chosen
 
@@ -50,6 +54,11 @@ class Method:
     def allows_precision(self, precision: str) -> bool:
         return True
 
+    def describes(self, has_adapters: bool, quant_bits: int | None) -> bool:
+        """Whether a loaded model with (or without) adapters on a base of ``quant_bits`` is
+        ready to train with this method as it is."""
+        return self.adapters == has_adapters and self.quant_bits == quant_bits
+
     def allows_rung(self, rung: Any) -> bool:
         return True
 
@@ -59,6 +68,8 @@ class Method:
 
     def load_dtype(self, precision: str, dev: Any) -> torch.dtype | None:
         """The dtype the weights are trained in (None: fp32, from_config's default)."""
+        import torch
+
         return torch.bfloat16 if precision == "pure-bf16" else None
 
     def model_load_dtype(self, precision: str, dev: Any) -> torch.dtype | None:
@@ -110,7 +121,8 @@ class Lora(Method):
                 checkpointing: bool) -> torch.nn.Module:
         import peft
 
-        model = peft.get_peft_model(model, copy.deepcopy(peft_config))
+        with quiet_peft():
+            model = peft.get_peft_model(model, copy.deepcopy(peft_config))
         if checkpointing:
             model.enable_input_require_grads()
         return model
@@ -136,9 +148,10 @@ class KbitLora(Lora):
                 checkpointing: bool) -> torch.nn.Module:
         import peft
 
-        model = peft.prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+        with quiet_peft():
+            model = peft.prepare_model_for_kbit_training(
+                model, use_gradient_checkpointing=checkpointing,
+                gradient_checkpointing_kwargs={"use_reentrant": False})
         return super().prepare(model, peft_config, checkpointing)
 
 

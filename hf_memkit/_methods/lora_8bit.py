@@ -12,6 +12,7 @@ from .base import KbitLora, register
 class Lora8bit(KbitLora):
     name = "lora-8bit"
     slowdown = 1 / 0.8
+    quant_bits = 8
     note = ("LoRA on an 8-bit (LLM.int8) base: activations are traced with the base as frozen "
             "linears; the int8 kernels' own temporaries are not modelled")
 

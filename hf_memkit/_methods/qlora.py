@@ -12,6 +12,7 @@ class QLora(KbitLora):
     name = "qlora"
     selected_by = ("auto", "qlora")
     slowdown = 1 / 0.7
+    quant_bits = 4
 
     def quantization_config(self, dev: Any) -> Any:
         from transformers import BitsAndBytesConfig

@@ -13,9 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from .._engines import engine_choices
-from .._methods import METHODS, ladder
-from .._model.profile import architecture_facts
+from .._errors import HfMemkitError
+from .._estimate.budget import resolve_headroom
+from .._methods import METHODS, Method, ladder, method_choices
+from .._model.profile import architecture_facts, unwrap_model
+from .._model.spec import loaded_weights
 from .._setup import training_args_fields
 from .cost import Shape
 from .emit import ArgsContext, accelerator_kwargs, model_kwargs, parallel_summary, training_args
@@ -82,8 +87,19 @@ def _finish(s: Search, cands: list[Candidate], chosen: Candidate) -> Plan:
                 candidates=cands, notes=notes, num_nodes=req.nodes, parallel=parallel)
 
 
+def _request(model: Any, *, seq_len: int, target_batch_size: int, device: Any = None,
+             num_gpus: int | None = None, method: str = "auto", headroom: float | None = None,
+             max_memory: int | str | None = None, task: str | None = None, num_nodes: int = 1,
+             engine: str = "auto", host_memory: int | str | None = None,
+             cuda_version: str | None = None, **constraints: Any) -> PlanRequest:
+    headroom = resolve_headroom(headroom, max_memory, "plan_training")
+    return PlanRequest(model, seq_len, target_batch_size, device, num_gpus, method, headroom,
+                       max_memory, task, num_nodes, engine, host_memory, dict(constraints),
+                       cuda_version=cuda_version)
+
+
 def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: Any = None,
-                  num_gpus: int | None = None, method: str = "auto", headroom: float = 0.1,
+                  num_gpus: int | None = None, method: str = "auto", headroom: float | None = None,
                   max_memory: int | str | None = None, task: str | None = None,
                   num_nodes: int = 1, engine: str = "auto", host_memory: int | str | None = None,
                   cuda_version: str | None = None, **constraints: Any) -> Plan:
@@ -98,20 +114,82 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
     defaults to its RAM, for a catalog GPU offload is only noted with what it needs.
     ``cuda_version``: the target's CUDA (``estimate_memory``); default the installed torch's.
     """
-    req = PlanRequest(model, seq_len, target_batch_size, device, num_gpus, method, headroom,
-                      max_memory, task, num_nodes, engine, host_memory, dict(constraints),
-                      cuda_version=cuda_version)
+    req = _request(model, seq_len=seq_len, target_batch_size=target_batch_size, device=device,
+                   num_gpus=num_gpus, method=method, headroom=headroom, max_memory=max_memory,
+                   task=task, num_nodes=num_nodes, engine=engine, host_memory=host_memory,
+                   cuda_version=cuda_version, **constraints)
     req.raise_problems("plan_training")
     s, cands = search_for(req)
     return _finish(s, cands, s.run(cands))
 
 
-def auto_training_args(model: Any, **kwargs: Any):
-    """``plan_training(model, **kwargs).to_training_args()``; ``output_dir`` and other
-    TrainingArguments that do not change memory may be passed and are applied as overrides."""
-    overrides = {k: kwargs.pop(k) for k in list(kwargs)
-                 if k in training_args_fields() and k not in MEMORY_FIELDS}
-    return plan_training(model, **kwargs).to_training_args(**overrides)
+def _as_given(model: Any) -> tuple[Method, torch.dtype, str]:
+    """The method a model is ready to train with as it is, its weights' dtype, and in words. A
+    name or config is loaded later by the user, with no adapters, in fp32 (``from_config``)."""
+    if not isinstance(model, torch.nn.Module):
+        return METHODS.get("full"), torch.float32, "a model that is not loaded yet"
+    base, has_adapters = unwrap_model(model)
+    dtype, bits = loaded_weights(base)
+    weights = f"a {bits}-bit base" if bits else f"{str(dtype).removeprefix('torch.')} weights"
+    words = f"adapters on {weights}" if has_adapters else weights
+    for m in METHODS:
+        if m.describes(has_adapters, bits):
+            return m, dtype, words
+    raise HfMemkitError(
+        f"the model has {words} and no method trains it as it is: a quantized base trains only "
+        "through adapters; prepare it with plan = mk.plan_training(model, ...) and "
+        "model = plan.prepare(model)")
+
+
+def auto_training_args(model: Any, *, base_args: Any = None, **kwargs: Any):
+    """The TrainingArguments of the fastest setup that fits ``model`` as it is given.
+
+    A loaded model is planned as it is (a plain model: full fine-tuning in its own dtype; a
+    peft model: its own adapters, on its own 16-bit or quantized base), and its attention kernel
+    is set to the plan's in place; what the arguments switch on (checkpointing, optimizer,
+    precision) the Trainer applies. Setups that need the model loaded or wrapped otherwise
+    (LoRA, QLoRA, an 8-bit base, pure bf16 weights) are not returned: when only such a setup
+    fits, the error says so, and ``plan_training`` + ``plan.prepare(model)`` applies it.
+    ``output_dir`` and other TrainingArguments that do not change memory are applied as
+    overrides; ``base_args`` (TrainingArguments, SFTConfig, ...) gets the plan through
+    ``Plan.apply_to`` and keeps its other fields.
+    """
+    fields = training_args_fields()
+    overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in fields and k not in MEMORY_FIELDS}
+    given, dtype, words = _as_given(model)
+    asked = kwargs.get("method", "auto")
+    if asked in method_choices() and asked not in given.selected_by:
+        raise HfMemkitError(
+            f"auto_training_args plans for the model as it is given ({words}: {given.name}); "
+            f"method={asked!r} needs it loaded or wrapped otherwise. Use "
+            f"plan = mk.plan_training(model, method={asked!r}, ...), load the model with "
+            "plan.model_kwargs, then model = plan.prepare(model) and args = "
+            "plan.to_training_args()")
+    kwargs["method"] = asked if asked != "auto" else given.selected_by[-1]
+    req = _request(model, **kwargs)
+    req.raise_problems("auto_training_args")
+    s, cands = search_for(req)
+    pure_ok = dtype == torch.bfloat16
+    ready = [c for c in cands if c.method == given.name
+             and (c.precision != "pure-bf16" or pure_ok)]
+    try:
+        chosen = s.run(ready) if ready else s.raise_impossible(cands)
+    except HfMemkitError as exc:
+        raise HfMemkitError(
+            f"{exc}\nauto_training_args plans only for the model as it is given ({words}: "
+            f"{given.name}{'' if pure_ok else ', no pure bf16'}). plan_training(model, ...) also "
+            "considers LoRA, LoRA on an 8-bit base, QLoRA and pure bf16, which need the model "
+            "loaded with plan.model_kwargs and prepared with plan.prepare(model)") from None
+    plan = _finish(s, ready, chosen)
+    if isinstance(model, torch.nn.Module):
+        plan.set_attention(model)
+    if base_args is not None:
+        import dataclasses
+
+        if overrides:
+            base_args = dataclasses.replace(base_args, **overrides)
+        return plan.apply_to(base_args)
+    return plan.to_training_args(**overrides)
 
 
 __all__ = ["Candidate", "Plan", "PlanRequest", "Problem", "auto_training_args", "engine_choices",

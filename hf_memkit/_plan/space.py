@@ -104,6 +104,11 @@ def attention(spec: ModelSpec, dev: DeviceInfo, precision: str) -> tuple[str, st
                         "not applied automatically"
     except ImportError:
         return "eager", "model has no native SDPA kernel; optimum 2.x has no BetterTransformer"
+    except Exception as exc:  # optimum 1.2x raises RuntimeError on import under transformers>=4.49
+        return "eager", ("model has no native SDPA kernel, and the installed optimum's "
+                         f"BetterTransformer cannot be used ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0][:160] if str(exc) else 'import failed'}); "
+                         "BetterTransformer is deprecated: uninstall optimum or upgrade it")
 
 
 class SpecBook:
@@ -122,7 +127,9 @@ class SpecBook:
         key = (method, precision)
         if key not in self._specs:
             m, dev = self.methods[method], self.req.dev
-            peft_cfg = m.peft_config(self.base.task) if m.adapters else None
+            own = getattr(self.req.model, "peft_config", None)  # a peft model: its adapters
+            peft_cfg = None if not m.adapters else next(iter(own.values())) \
+                if isinstance(own, dict) and own else m.peft_config(self.base.task)
             quant = m.quantization_config(dev)
             spec = resolve_model(self._ref, task=self.req.task,
                                  dtype=m.load_dtype(precision, dev),
