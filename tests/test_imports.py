@@ -96,6 +96,18 @@ def test_estimate_command_prints_no_third_party_notice():
     assert proc.stderr == ""
 
 
+def test_field_values_and_our_warnings_print_as_our_own_lines():
+    """FIELD=VALUE parsing imports TrainingArguments (-> peft -> bitsandbytes): still no notice;
+    our own warning (bf16 on a V100) is one ``hf-memkit estimate: warning:`` line."""
+    proc = subprocess.run([*CLI, "estimate", "gpt2", "--gpu", "V100-16GB", "--seq-len", "64",
+                           "--batch", "1", "bf16=true", "--json"], capture_output=True,
+                          text=True, check=True)
+    assert json.loads(proc.stdout)["device_used"] > 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hf-memkit estimate: warning: bf16=True on V100")
+    assert "compute capability 8.0" in lines[0] and "fp16=True" in lines[0]
+
+
 def test_quiet_notices_drops_only_its_notices_and_only_inside():
     name, prefix = _compat.NOTICES[0]
     logger = logging.getLogger(name)

@@ -6,7 +6,9 @@ Exit codes: 0 success, 2 bad input (message on stderr), 1 a failed run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import warnings
 
 from .._errors import HfMemkitError, TrainingFailed
 from . import calibrate, demo, devices, estimate, plan, probe, recipes, train
@@ -35,6 +37,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _warnings_as_lines(command: str):
+    """Our warnings (``UserWarning``: a setting that is ignored, a precision the device cannot
+    run) as ``hf-memkit COMMAND: warning: ...`` on stderr, not Python's ``file:line:`` form."""
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, UserWarning):
+            print(f"hf-memkit {command}: warning: {message}", file=sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # FIELD=VALUE settings may sit anywhere among the options (argparse cannot intermix them)
@@ -42,10 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         if not hasattr(args, "fields") or any("=" not in e or e.startswith("-") for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        from .._compat import quiet_notices
         from .estimate import parse_field
 
         try:
-            args.fields = list(args.fields) + [parse_field(e) for e in extra]
+            with quiet_notices():  # the field types import TrainingArguments (peft, bnb)
+                args.fields = list(args.fields) + [parse_field(e) for e in extra]
         except HfMemkitError as exc:
             print(f"hf-memkit {args.command}: error: {exc}", file=sys.stderr)
             return 2
@@ -55,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from .._compat import quiet_notices
 
     try:
-        with quiet_notices():  # no third-party notices that our own calls trigger
+        with quiet_notices(), _warnings_as_lines(args.command):
             return int(args.func(args) or 0)
     except HfMemkitError as exc:
         print(f"hf-memkit {args.command}: error: {exc}", file=sys.stderr)
