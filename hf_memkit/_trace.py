@@ -145,16 +145,16 @@ def _wrap_amp(model: torch.nn.Module, amp: str) -> None:
     model.forward = MethodType(convert_outputs_to_fp32(forward), model)
 
 
-def make_batch(task: str, batch: int, seq_len: int, *,
-               target_len: int | None = None, padded: bool = False) -> dict[str, torch.Tensor]:
+def make_batch(task: str, batch: int, seq_len: int, *, target_len: int | None = None,
+               padded: bool = False, config: Any = None) -> dict[str, torch.Tensor]:
     """One micro-batch as the default collators produce it (call inside the fake mode); the
-    labels are the task's (``_model.tasks``)."""
+    labels are the task's for ``config`` (``_model.tasks``)."""
     from ._model.tasks import TASKS
 
     b: dict[str, torch.Tensor] = {"input_ids": torch.zeros(batch, seq_len, dtype=torch.long)}
     if padded:
         b["attention_mask"] = torch.ones(batch, seq_len, dtype=torch.long)
-    b.update(TASKS.get(task).labels(batch, seq_len, target_len or seq_len))
+    b.update(TASKS.get(task).labels_for(config, batch, seq_len, target_len or seq_len))
     return b
 
 
@@ -402,7 +402,7 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
     n_micro = min(grad_accum, 2) if stage == "train" else 1
     with fm:
         batches = [make_batch(task, micro_batch, seq_len, target_len=target_len,
-                              padded=padded) for _ in range(max(grad_accum, 1) if stage == "train"
+                              padded=padded, config=config) for _ in range(max(grad_accum, 1) if stage == "train"
                                                             else 1)]
         if loss == "logits_sum":
             for b in batches:

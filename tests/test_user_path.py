@@ -239,3 +239,54 @@ def test_headroom_beside_max_memory_is_said_to_be_ignored():
         est = mk.estimate_memory(TINY, {"per_device_train_batch_size": 1}, seq_len=SEQ,
                                  device=cpu(), headroom=0.3, max_memory="4GiB")
     assert est.budget == 4 * GiB
+
+
+def test_a_config_the_model_code_refuses_is_bad_input_not_a_traceback(tmp_path, capsys):
+    """A Llama sequence classifier without pad_token_id cannot take batches > 1: transformers'
+    own code raises while hf_memkit traces it, and that is the user's config, said as such."""
+    from hf_memkit.commands.main import main
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=500,
+                      architectures=["LlamaForSequenceClassification"])
+    cfg.save_pretrained(tmp_path)
+    code = main(["plan", str(tmp_path), "--gpu", "cpu", "--seq-len", "32", "--target-batch", "4"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "LlamaForSequenceClassification's own code refused" in err
+    assert "no padding token" in err and "pad_token_id" in err
+
+
+@pytest.mark.parametrize("problem", ["multi_label_classification", "regression"])
+def test_sequence_classification_labels_follow_the_problem_type(problem):
+    """The traced labels are what the model's loss reads for its problem_type (BCE on one float
+    per label, MSE on one float per sequence): the real model takes them, and the estimate runs."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from hf_memkit._model.tasks import TASKS
+
+    cfg = BertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, vocab_size=500, problem_type=problem,
+                     num_labels=3 if problem == "multi_label_classification" else 1,
+                     architectures=["BertForSequenceClassification"])
+    batch = {"input_ids": torch.zeros(2, 16, dtype=torch.long),
+             **TASKS.get("sequence-classification").labels_for(cfg, 2, 16, 16)}
+    out = BertForSequenceClassification(cfg)(**batch)
+    out.loss.backward()  # the real model accepts these labels
+    assert torch.isfinite(out.loss)
+    est = mk.estimate_memory(cfg, {"per_device_train_batch_size": 2}, seq_len=16, device="cpu")
+    assert est.peak_allocated > 0
+
+
+def test_adafactor_on_an_empty_parameter():
+    """A zero-size weight (BERT with type_vocab_size=0) is not a ZeroDivisionError: transformers'
+    Adafactor keeps exp_avg_sq_row of shape[:-1] (0 entries) and exp_avg_sq_col of shape[:-2] +
+    shape[-1:] (64 entries) for it, so one token-type row more adds one fp32 row entry."""
+    from transformers import BertConfig
+
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              vocab_size=500, architectures=["BertForSequenceClassification"])
+    args = {"per_device_train_batch_size": 2, "optim": "adafactor"}
+    empty = mk.estimate_memory(BertConfig(type_vocab_size=0, **kw), args, seq_len=16, device="cpu")
+    one = mk.estimate_memory(BertConfig(type_vocab_size=1, **kw), args, seq_len=16, device="cpu")
+    assert one.breakdown["optimizer"] - empty.breakdown["optimizer"] == 4

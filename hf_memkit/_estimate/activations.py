@@ -8,10 +8,12 @@ extrapolated linearly in the block count, so a 70B plan takes seconds. Each phas
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from .._cuda_emulation import CudaTarget
+from .._errors import HfMemkitError
 from .._model.spec import ModelSpec
 from .._setup import TrainingSetup
 from .._techniques import TECHNIQUES
@@ -73,7 +75,18 @@ def trace_excess(spec: ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: 
 
     def excess(n: int):
         cfg = spec.config if n == full else with_layers(spec.config, n)
-        r = trace_step(spec.model_cls, cfg, **kw)
+        try:
+            r = trace_step(spec.model_cls, cfg, **kw)
+        except (ValueError, NotImplementedError) as exc:
+            if isinstance(exc, HfMemkitError) or not _raised_by_transformers(exc):
+                raise
+            raise HfMemkitError(
+                f"{spec.model_cls.__name__}'s own code refused the step hf_memkit traces "
+                f"(batch {batch} x seq {seq_len}, {stage}): {type(exc).__name__}: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''} hf_memkit runs "
+                "the model's real code, so a training run with this config would fail the same "
+                "way: fix the model's config (e.g. pad_token_id for batched sequence "
+                "classification) or the setup") from exc
         out = {}
         for name, total in r.phases.items():
             held = r.weights + r.inputs + (r.grads if name.endswith("_accum") else 0)
@@ -180,3 +193,15 @@ def _batch_lower_bound(e1: Excess, e2: Excess, batch: int) -> Excess:
                   {p: {c: max(0, _lin(e1.categories[p][c], e2.categories[p][c], m))
                        for c in e1.categories[p]} for p in e1.categories},
                   _lin(e1.inputs, e2.inputs, m), 0.0, e1.layers, lower_bound=True)
+
+
+def _raised_by_transformers(exc: BaseException) -> bool:
+    """Whether the innermost frame of ``exc`` is transformers' code (a model refusing its
+    config or inputs), not hf_memkit's or torch's."""
+    import transformers
+
+    root = os.path.dirname(transformers.__file__) + os.sep
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(root)

@@ -8,6 +8,7 @@ the parameter being updated at once.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -21,8 +22,9 @@ def _adafactor(params: Sequence[ParamInfo], ctx: OptimizerContext) -> OptimizerM
     state = 0
     for p in params:
         if len(p.shape) >= 2:
-            rows = p.numel // p.shape[-1]
-            cols = p.numel // p.shape[-2]
+            # exp_avg_sq_row: shape[:-1]; exp_avg_sq_col: shape[:-2] + shape[-1:]
+            rows = math.prod(p.shape[:-1])
+            cols = math.prod(p.shape[:-2]) * p.shape[-1]
             state += 4 * (rows + cols)
         else:
             state += 4 * p.numel

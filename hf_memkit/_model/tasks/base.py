@@ -22,6 +22,14 @@ class Task:
     peft_task_type: str | None = None        # peft.TaskType value
     vocab_logits: bool = False               # eval keeps [batch x len x vocab] logits
     trainable_by_cli: bool = False           # `hf-memkit train` builds its data
+    # labels that depend on the config (config, batch, seq_len, target_len) -> tensors; None: labels
+    config_labels: Callable[[Any, int, int, int], dict[str, Any]] | None = None
+
+    def labels_for(self, config: Any, batch: int, seq_len: int, target_len: int) -> dict:
+        """The labels the default collator makes for ``config``."""
+        if self.config_labels is not None and config is not None:
+            return self.config_labels(config, batch, seq_len, target_len)
+        return self.labels(batch, seq_len, target_len)
 
 
 TASKS: Registry[Task] = Registry(
