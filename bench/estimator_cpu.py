@@ -89,6 +89,8 @@ CASES = [
                                            gradient_checkpointing=True), 512),
     case("llama fp32 accum4 bnb8bit", LLAMA, b(2, optim="adamw_bnb_8bit",
                                                gradient_accumulation_steps=4), 512),
+    case("llama fp32 ademamix", LLAMA, b(4, optim="ademamix"), 256),
+    case("llama fp32 ademamix8bit b1", LLAMA, b(1, optim="ademamix_8bit"), 128),  # step peak
     case("llama fp32 adafactor ckpt", LLAMA, b(8, optim="adafactor",
                                                gradient_checkpointing=True), 256),
     case("llama pure-bf16 adamw", LLAMA, b(4, optim="adamw_torch"), 512, dtype="bfloat16"),
@@ -136,6 +138,15 @@ CASES = [
     case("t5 fp32 bnb8bit accum2", T5, b(4, optim="adamw_bnb_8bit",
                                          gradient_accumulation_steps=2), 256,
          task="seq2seq-lm", target_len=128),
+    # optimizers of the `optimizers` extra (schedulefree, torch-optimi, grokadamw). Batch 1 x 128
+    # puts the peak in the optimizer step, where the step temporaries count.
+    case("llama fp32 schedule_free_adamw", LLAMA, b(1, optim="schedule_free_adamw"), 128),
+    case("llama fp32 schedule_free_sgd", LLAMA, b(1, optim="schedule_free_sgd"), 128),
+    # the measured steps 2-3 are RAdam's SGD phase (no denom before step 5): peak in backward
+    case("llama fp32 schedule_free_radam", LLAMA, b(4, optim="schedule_free_radam"), 512),
+    case("llama pure-bf16 stable_adamw", LLAMA, b(1, optim="stable_adamw"), 128,
+         dtype="bfloat16"),
+    case("llama fp32 grokadamw", LLAMA, b(1, optim="grokadamw"), 128),
 ]
 
 

@@ -61,7 +61,7 @@ def test_sgd_momentum_from_optim_args():
     assert m.state == BIG.nbytes
 
 
-def _real_state_bytes(opt: torch.optim.Optimizer) -> int:
+def real_state_bytes(opt: torch.optim.Optimizer) -> int:
     seen = {}
     for st in opt.state.values():
         for v in st.values():
@@ -84,7 +84,7 @@ def test_state_matches_the_real_optimizer(name, make):
     opt.step()
     infos = [ParamInfo(p.numel(), tuple(p.shape), p.element_size()) for p in params]
     predicted = get_optimizer_profile(name).estimate(infos, CPU).state
-    assert predicted == pytest.approx(_real_state_bytes(opt), rel=0.001, abs=64)
+    assert predicted == pytest.approx(real_state_bytes(opt), rel=0.001, abs=64)
 
 
 def test_unknown_optimizer_lists_the_modelled_ones():

@@ -2,7 +2,17 @@
 value (STYLE.md §2). A new optimizer is one ``register(OptimizerProfile(...))`` in one file here,
 imported below."""
 
-from . import adafactor, adagrad, adamw_torch, bnb, rmsprop, sgd  # noqa: F401  (registers)
+from . import (  # noqa: F401  (each module registers its optimizers)
+    adafactor,
+    adagrad,
+    adamw_torch,
+    bnb,
+    grokadamw,
+    rmsprop,
+    schedulefree,
+    sgd,
+    stable_adamw,
+)
 from .base import (
     OptimizerContext,
     OptimizerMemory,
