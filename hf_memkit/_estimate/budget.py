@@ -20,7 +20,8 @@ class Budget(NamedTuple):
     basis: str  # how it was derived, for a person: "max_memory", "90% of 24.00 GiB", ...
 
 
-def resolve_headroom(headroom: float | None, max_memory: Any, source: str) -> float:
+def resolve_headroom(headroom: float | None, max_memory: Any, source: str, *,
+                     stacklevel: int = 3) -> float:
     """``headroom`` or the default; a headroom given beside ``max_memory`` is ignored (the
     maximum is the whole budget), and a warning says so."""
     if headroom is not None and max_memory is not None:
@@ -28,7 +29,7 @@ def resolve_headroom(headroom: float | None, max_memory: Any, source: str) -> fl
 
         warnings.warn(f"{source}: headroom={headroom!r} is ignored because max_memory="
                       f"{max_memory!r} is given (max_memory is the whole budget); drop one of "
-                      "them", UserWarning, stacklevel=3)
+                      "them", UserWarning, stacklevel=stacklevel)
     return DEFAULT_HEADROOM if headroom is None else headroom
 
 
@@ -36,7 +37,8 @@ def headroom_problem(headroom: Any) -> str | None:
     """The sentence that says why ``headroom`` is not usable, or None."""
     if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) \
             or not 0 <= headroom < 1:
-        return f"headroom must be in [0, 1), got {headroom!r}"
+        return (f"headroom must be in [0, 1): the fraction of device memory kept free (0.1 "
+                f"keeps 10% free); got {headroom!r}")
     return None
 
 

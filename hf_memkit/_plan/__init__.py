@@ -92,7 +92,7 @@ def _request(model: Any, *, seq_len: int, target_batch_size: int, device: Any = 
              max_memory: int | str | None = None, task: str | None = None, num_nodes: int = 1,
              engine: str = "auto", host_memory: int | str | None = None,
              cuda_version: str | None = None, **constraints: Any) -> PlanRequest:
-    headroom = resolve_headroom(headroom, max_memory, "plan_training")
+    headroom = resolve_headroom(headroom, max_memory, "plan_training", stacklevel=4)
     return PlanRequest(model, seq_len, target_batch_size, device, num_gpus, method, headroom,
                        max_memory, task, num_nodes, engine, host_memory, dict(constraints),
                        cuda_version=cuda_version)

@@ -18,7 +18,7 @@ from .._cuda import parse_cuda_version
 from .._device import DeviceInfo, probe_device, resolve_device
 from .._engines import engine_choices
 from .._errors import ConfigError, did_you_mean
-from .._estimate.budget import memory_budget
+from .._estimate.budget import headroom_problem, memory_budget
 from .._methods import METHODS, method_choices
 from .._setup import training_args_fields
 from .._units import parse_bytes
@@ -140,8 +140,8 @@ class PlanRequest:
             v = getattr(self, name)
             if not (self.partial and v is None) and not _positive_int(v):
                 out.append(Problem(name, f"{name} must be a positive integer, got {v!r}"))
-        if not (isinstance(self.headroom, (int, float)) and 0 <= self.headroom < 1):
-            out.append(Problem("headroom", f"headroom must be in [0, 1), got {self.headroom!r}"))
+        if headroom_problem(self.headroom):
+            out.append(Problem("headroom", headroom_problem(self.headroom)))
         for name in ("num_gpus", "num_nodes"):
             v = getattr(self, name)
             if v is not None and not _positive_int(v):

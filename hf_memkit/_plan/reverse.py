@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 from .._errors import ConfigError, HfMemkitError
+from .._estimate.budget import headroom_problem, resolve_headroom
 from .request import PlanRequest
 
 
@@ -56,10 +56,8 @@ def _check(source: str, *, limit: Any, headroom: Any, max_memory: Any, seq_len: 
     if _positive_int(limit) and _positive_int(multiple_of) and limit < multiple_of:
         problems.append(f"limit {limit} is below multiple_of {multiple_of}: no length to try; "
                         f"give limit >= {multiple_of}")
-    if headroom is not None and (isinstance(headroom, bool) or not isinstance(
-            headroom, (int, float)) or not 0 <= headroom < 1):
-        problems.append(f"headroom must be the fraction of device memory kept free, in [0, 1) "
-                        f"(0.1 keeps 10% free), got {headroom!r}")
+    if headroom is not None and headroom_problem(headroom):
+        problems.append(headroom_problem(headroom))
     if max_memory is not None:
         try:
             if parse_bytes(max_memory) <= 0:
@@ -69,11 +67,7 @@ def _check(source: str, *, limit: Any, headroom: Any, max_memory: Any, seq_len: 
                             f"{max_memory!r}")
     if problems:
         raise ConfigError(problems, source=source)
-    if headroom is not None and max_memory is not None:
-        warnings.warn(f"{source}: headroom={headroom} is ignored because max_memory="
-                      f"{max_memory!r} is given (max_memory is the whole budget); drop one of "
-                      "them", UserWarning, stacklevel=3)
-    return 0.1 if headroom is None else float(headroom)
+    return float(resolve_headroom(headroom, max_memory, source, stacklevel=4))
 
 
 def _fits(model, args, batch, seq_len, device, max_memory, headroom, kw, strict) -> bool:
