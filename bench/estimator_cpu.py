@@ -147,6 +147,19 @@ CASES = [
     case("llama pure-bf16 stable_adamw", LLAMA, b(1, optim="stable_adamw"), 128,
          dtype="bfloat16"),
     case("llama fp32 grokadamw", LLAMA, b(1, optim="grokadamw"), 128),
+    # torchao low-bit AdamW, GaLore and APOLLO (the `optimizers` extra); batch 1 x 128 as above
+    case("llama fp32 adamw_torch_8bit", LLAMA, b(1, optim="adamw_torch_8bit"), 128),
+    case("llama fp32 adamw_torch_4bit", LLAMA, b(1, optim="adamw_torch_4bit"), 128),
+    case("llama pure-bf16 adamw_torch_8bit", LLAMA, b(1, optim="adamw_torch_8bit"), 128,
+         dtype="bfloat16"),
+    case("llama fp32 galore_adamw", LLAMA, b(1, optim="galore_adamw",
+                                             optim_target_modules=["self_attn", "mlp"]), 128),
+    case("llama fp32 galore_adafactor r64", LLAMA, b(1, optim="galore_adafactor",
+                                                     optim_target_modules="all-linear",
+                                                     optim_args="rank=64"), 128),
+    case("llama pure-bf16 apollo_adamw", LLAMA, b(1, optim="apollo_adamw",
+                                                  optim_target_modules="all-linear"), 128,
+         dtype="bfloat16"),
 ]
 
 
@@ -221,6 +234,13 @@ def main(argv=None):
     a = ap.parse_args(argv)
     cases = [c for c in CASES if not a.only or a.only in c["name"]]
     console = Console(width=150)
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:  # not in the optimizers extra (README)
+        skipped = [c["name"] for c in cases if "adamw_torch_" in str(c["args"].get("optim"))]
+        cases = [c for c in cases if c["name"] not in skipped]
+        if skipped:
+            console.print(f"torchao is not installed: skipped {', '.join(skipped)}")
     rows = [run_case(c, console) for c in cases]
     print_table(rows, console)
     errs = [abs(r["err"]) for r in rows]

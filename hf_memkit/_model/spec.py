@@ -18,7 +18,8 @@ from transformers import PretrainedConfig
 
 from .._errors import HfMemkitError, did_you_mean
 from .._optimizers import ParamInfo
-from .._trace import LoraSpec, quantizable_linears
+from .._trace import LoraSpec
+from .._trace_quant import quantizable_linears
 from .facts import ModelFacts, model_facts
 from .profile import build_model, logical_numel, to_config, unwrap_model
 from .tasks import normalize_task, task_of_class
@@ -243,13 +244,17 @@ def _quantized_bytes(spec: ModelSpec) -> tuple[int, set[int]]:
 def _model_states(spec: ModelSpec) -> tuple[int, list[ParamInfo]]:
     weights, quantized = _quantized_bytes(spec) if spec.quant_bits else (0, set())
     embeddings = {id(m.weight) for m in spec.meta.modules() if isinstance(m, torch.nn.Embedding)}
+    # GaLore / APOLLO match `optim_target_modules` against the module of each nn.Linear weight,
+    # by the weight's name in named_parameters() (transformers _setup_low_rank_optimizer)
+    linears = {f"{n}.weight": n for n, m in spec.meta.named_modules()
+               if isinstance(m, torch.nn.Linear)}
     trainable: list[ParamInfo] = []
-    for p in spec.meta.parameters():
+    for name, p in spec.meta.named_parameters():
         if id(p) in quantized:
             continue
         weights += logical_numel(p) * p.element_size()
         if p.requires_grad:
             trainable.append(ParamInfo(p.numel(), tuple(p.shape), p.element_size(),
-                                       embedding=id(p) in embeddings))
+                                       embedding=id(p) in embeddings, linear=linears.get(name)))
     weights += sum(b.numel() * b.element_size() for b in spec.meta.buffers())
     return weights, trainable

@@ -6,14 +6,19 @@ from . import (  # noqa: F401  (each module registers its optimizers)
     adafactor,
     adagrad,
     adamw_torch,
+    apollo,
     bnb,
+    galore,
     grokadamw,
+    lomo,
     rmsprop,
     schedulefree,
     sgd,
     stable_adamw,
+    torchao,
 )
 from .base import (
+    TARGET_MODULES_ARG,
     OptimizerContext,
     OptimizerMemory,
     OptimizerProfile,
@@ -25,6 +30,6 @@ from .base import (
     trainer_groups,
 )
 
-__all__ = ["OptimizerContext", "OptimizerMemory", "OptimizerProfile", "ParamInfo",
+__all__ = ["TARGET_MODULES_ARG", "OptimizerContext", "OptimizerMemory", "OptimizerProfile", "ParamInfo",
            "get_optimizer_profile", "planner_optimizers", "register", "supported_optimizers",
            "trainer_groups"]

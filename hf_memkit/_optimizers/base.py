@@ -16,6 +16,7 @@ Sources are cited per entry: the optimizer's own ``step`` code in the installed 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,8 @@ class ParamInfo:
     shape: tuple[int, ...]
     itemsize: int  # bytes per element of the parameter (and of its gradient)
     embedding: bool = False  # the weight of an nn.Embedding (bitsandbytes keeps it 32-bit)
+    linear: str | None = None  # the module's name when this is an nn.Linear's weight (GaLore,
+    #                            APOLLO: what `optim_target_modules` is matched against)
 
     @property
     def nbytes(self) -> int:
@@ -45,6 +48,17 @@ class OptimizerContext:
     device_kind: str = "cpu"                  # foreach defaults on only for CUDA tensors
     optim_args: dict[str, str] = field(default_factory=dict)
     num_groups: int = 2                       # the Trainer: decay / no-decay groups
+
+    @property
+    def target_modules(self) -> str | list[str] | None:
+        """``TrainingArguments.optim_target_modules``, which ``normalize_args`` carries in
+        ``optim_args`` under ``TARGET_MODULES_ARG`` (JSON), so it reaches the optimizer entries
+        without a field of its own in every caller."""
+        raw = self.optim_args.get(TARGET_MODULES_ARG)
+        return None if raw is None else json.loads(raw)
+
+
+TARGET_MODULES_ARG = "optim_target_modules"
 
 
 @dataclass(frozen=True)
@@ -78,6 +92,12 @@ class OptimizerProfile:
 
 
 _REGISTRY: dict[str, OptimizerProfile] = {}
+_REFUSED: dict[str, str] = {}  # optim value -> why its memory is not modelled
+
+
+def refuse(name: str, why: str) -> None:
+    """An ``optim`` value the Trainer accepts whose memory hf_memkit does not model, and why."""
+    _REFUSED[name] = why
 
 
 def register(profile: OptimizerProfile, *aliases: str) -> None:
@@ -91,6 +111,10 @@ def supported_optimizers() -> list[str]:
 
 def get_optimizer_profile(name: str) -> OptimizerProfile:
     key = str(getattr(name, "value", name))
+    if key in _REFUSED:
+        raise HfMemkitError(
+            f"cannot model the memory of optimizer `{key}`: {_REFUSED[key]}; modelled: "
+            f"{', '.join(supported_optimizers())}. Pick one of these for `optim`")
     if key not in _REGISTRY:
         raise HfMemkitError(
             f"cannot model the memory of optimizer `{key}`{did_you_mean(key, _REGISTRY)}; "

@@ -1,0 +1,70 @@
+"""torchao low-bit AdamW (``optim="adamw_torch_8bit"`` / ``"adamw_torch_4bit"``; transformers
+``trainer_optimizer._get_torchao_optimizer`` builds ``torchao.optim.AdamW8bit`` / ``AdamW4bit``
+with ``block_size=optim_args.get("block_size", 256)`` for both, so the Trainer's 4-bit block is
+256, not the class default 128, and ``bf16_stochastic_round``; no ``amsgrad``).
+
+State (torchao/optim/adam.py ``_AdamBase.step`` / ``_new_buffer``, checked on torchao 0.18):
+  * ``step = torch.tensor(0.0)``: a float32 0-d tensor per param (4 B);
+  * ``exp_avg`` and ``exp_avg_sq``: when ``numel >= 4096 and numel % block_size == 0`` (the
+    bitsandbytes size rule plus divisibility), a quantized tensor subclass, else
+    ``torch.zeros_like(p)``: in the *param's* dtype (2 x param bytes, bf16 stays bf16).
+      - 8-bit (torchao/optim/subclass_8bit.py ``OptimState8bit.zeros``): ``codes`` uint8 of the
+        param's shape (1 B/element), ``scale`` fp32 per block (numel // block_size), and its own
+        ``qmap`` (256 fp32 = 1 KiB) per state tensor: qmaps are not shared across params;
+      - 4-bit (subclass_4bit.py ``OptimState4bit.zeros``): ``codes`` uint8 of numel // 2 (two
+        codes a byte), ``scale`` fp32 per block, and a 16-entry fp32 ``qmap`` (64 B) per state.
+Step: ``torch.compile(single_param_adam, fullgraph=True)`` per param. Measured on CPU (RSS with
+``MALLOC_MMAP_THRESHOLD_=65536``, steady steps after the first): a quantized param's step holds
+8 B/element (the two fp32 moments, dequantised for the blockwise re-quantisation) with 8-bit
+state and 26 B/element with 4-bit state (the packing adds unpacked code and scaled copies), fp32
+or bf16 params alike; a dense-state param's step is fused in place (0 B). Params step one at a
+time, so the transient is the largest over params. On CUDA the graph is compiled by Triton
+instead; not measured here, the CPU figure is used there too.
+Note: a ``block_size`` given in ``optim_args`` reaches torchao as a string (transformers does not
+convert it) and the first step fails; it is read here as the integer it was meant to be.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from .base import STEP_TENSOR, OptimizerMemory, OptimizerProfile, register
+
+if TYPE_CHECKING:
+    from .base import OptimizerContext, ParamInfo
+
+MIN_QUANT_NUMEL = 4096
+DEFAULT_BLOCK = 256          # transformers' default for both 8-bit and 4-bit
+# bits -> (code bytes per element, qmap entries, CPU step bytes per element of a quantized param)
+_LAYOUT = {8: (1.0, 256, 8), 4: (0.5, 16, 26)}
+
+
+def quantized(p: ParamInfo, block: int) -> bool:
+    return p.numel >= MIN_QUANT_NUMEL and p.numel % block == 0
+
+
+def _low_bit(bits: int) -> Callable[[Sequence[ParamInfo], OptimizerContext], OptimizerMemory]:
+    code_bytes, qmap, step_bytes = _LAYOUT[bits]
+
+    def estimate(params: Sequence[ParamInfo], ctx: OptimizerContext) -> OptimizerMemory:
+        block = int(ctx.optim_args.get("block_size", DEFAULT_BLOCK))
+        state = transient = 0
+        for p in params:
+            if quantized(p, block):
+                per_moment = int(p.numel * code_bytes) + 4 * (p.numel // block) + 4 * qmap
+                transient = max(transient, step_bytes * p.numel)
+            else:
+                per_moment = p.nbytes
+            state += 2 * per_moment + STEP_TENSOR
+        return OptimizerMemory(state, transient)
+
+    return estimate
+
+
+for _bits in (8, 4):
+    register(OptimizerProfile(
+        f"adamw_torch_{_bits}bit", _low_bit(_bits),
+        f"torchao/optim/adam.py _AdamBase._new_buffer + subclass_{_bits}bit.py zeros",
+        "torchao", accelerate_class=f"torchao.optim.AdamW{_bits}bit",
+        accelerate_kwargs={"block_size": DEFAULT_BLOCK, "bf16_stochastic_round": False}))
