@@ -131,6 +131,8 @@ class Case:
     target_len: int | None = field(default=None, metadata={"help": "Label length (seq2seq)."})
     accum: int = field(default=1, metadata={"help": "gradient_accumulation_steps."})
     ckpt: bool = field(default=False, metadata={"help": "Activation (gradient) checkpointing."})
+    offload: bool = field(default=False, metadata={
+        "help": "With ckpt: layer inputs in pinned host memory (checkpointing kwargs offload)."})
     attn: str | None = field(default="sdpa", metadata={
         "help": "attn_implementation; None = the model's default."})
     stage: str = field(default="train", metadata={"help": "One of STAGES."})
@@ -149,6 +151,8 @@ class Case:
         if self.stage == "forward_backward" and (self.precision.startswith("amp") or self.ckpt
                                                  or self.accum != 1 or self.method != "full"):
             problems.append("forward_backward cases are plain fp32 / pure_bf16 full models")
+        if self.offload and not self.ckpt:
+            problems.append("offload moves checkpointed inputs: it needs ckpt=True")
         if self.steps < 2:
             problems.append("steps must be >= 2 (step 1 is warm-up, steps 2.. are measured)")
         if problems:
@@ -176,7 +180,7 @@ class Case:
         parts.append(self.optim if self.stage == "train" else "fwd-bwd")
         parts.append(self.attn or "default-attn")
         if self.ckpt:
-            parts.append("ckpt")
+            parts.append("ckpt-offload" if self.offload else "ckpt")
         if self.accum > 1:
             parts.append(f"acc{self.accum}")
         shape = f"b{self.batch}s{self.seq_len}" + (f"t{self.target_len}" if self.target_len else "")
@@ -187,7 +191,8 @@ class Case:
         return {"family": self.family, "model": self.model, "task": self.task,
                 "precision": self.precision, "method": self.method,
                 "optim": self.optim if self.stage == "train" else "none",
-                "attn": self.attn or "default", "ckpt": "on" if self.ckpt else "off",
+                "attn": self.attn or "default",
+                "ckpt": ("offload" if self.offload else "on") if self.ckpt else "off",
                 "accum": self.accum, "batch": self.batch, "seq": self.seq_len,
                 "target": self.target_len or "-", "stage": self.stage, "steps": self.steps,
                 "attn_dropout": MODELS[self.model].attention_dropout(),
@@ -225,6 +230,7 @@ CASES: tuple[Case, ...] = (
     _c("llama-160m", "fp32", attn="eager", seq_len=512),
     _c("llama-160m", "amp_bf16", "adamw_torch_fused", batch=8),
     _c("llama-160m", "amp_bf16", "adamw_torch_fused", batch=8, ckpt=True),
+    _c("llama-160m", "amp_bf16", "adamw_torch_fused", batch=8, ckpt=True, offload=True),
     _c("llama-160m", "amp_fp16"),
     _c("llama-160m", "amp_bf16", accum=4, seq_len=512),
     _c("llama-160m", "pure_bf16", batch=8),

@@ -437,6 +437,8 @@ def memory_args(case: Case, fields: set[str] | dict[str, Any]) -> dict[str, Any]
                 else "gradient_checkpointing")
         a[name] = True
         a[name + "_kwargs"] = {"use_reentrant": False}
+        if case.offload:  # checkpointed layer inputs in pinned host memory
+            a[name + "_kwargs"]["offload"] = True
     return a
 
 

@@ -13,12 +13,16 @@ optimizer state to the host together. With gradient accumulation the Trainer ski
 reduce-scatter on non-final micro-steps (``accelerator.no_sync`` ->
 ``set_requires_gradient_sync(False)``), which keeps *unsharded* gradients;
 ``accelerator_config.gradient_accumulation_kwargs.sync_each_batch=True`` avoids it.
+accelerate's ``activation_checkpointing_offload`` (pinned host copies of each checkpointed
+layer's input) is read from the environment (``checkpoint_offload``) and modelled by the
+``checkpoint_offload`` technique.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any
 
 from .._errors import ConfigError, did_you_mean
@@ -53,6 +57,36 @@ RUNGS = [Rung("fsdp-grad-op", "FSDP2 shard-grad-op", "fsdp", 2, shards_params=Tr
               offload_optimizer=True, shards_params=True)]
 
 
+AC_OFFLOAD_ENV = "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD"
+IGNORED_AC_OFFLOAD = (
+    "hf_memkit does not model fsdp_config['activation_checkpointing_offload']: transformers "
+    "5.23 does not pass it on to accelerate (TrainingArguments._process_fsdp_args), so the run "
+    "ignores it too. accelerate's FSDP2 plugin takes it from `accelerate launch "
+    f"--fsdp_activation_checkpointing_offload true` ({AC_OFFLOAD_ENV}=true), which hf_memkit "
+    "reads and models")
+
+
+def _config(get) -> dict[str, Any]:
+    cfg = base.load_json(get("fsdp_config"), "fsdp_config")
+    return {k[5:] if k.startswith("fsdp_") else k: v for k, v in cfg.items()}
+
+
+def checkpoint_offload(get) -> bool:
+    """Whether accelerate's FSDP2 plugin offloads each checkpointed layer's input to pinned host
+    memory (``FullyShardedDataParallelPlugin.activation_checkpointing_offload``, applied by
+    ``accelerate/utils/fsdp_utils.py::fsdp2_apply_ac`` as ``offload_wrapper(checkpoint_wrapper(
+    layer))``). transformers 5.23 maps no ``fsdp_config`` key onto it, so the Trainer's plugin
+    reads ``FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD`` (``__post_init__``, accelerate's
+    ``str_to_bool``), which ``accelerate launch --fsdp_activation_checkpointing_offload true``
+    sets; it needs fsdp_config's ``activation_checkpointing`` and FSDP version 2."""
+    if not get("fsdp") or os.environ.get(AC_OFFLOAD_ENV, "").strip().lower() not in (
+            "y", "yes", "t", "true", "on", "1"):
+        return False
+    cfg = _config(get)
+    return base.truthy(cfg.get("activation_checkpointing", False)) and \
+        str(cfg.get("version", 2)) == "2"
+
+
 def _reshard(fsdp: Any, cfg: dict[str, Any]) -> tuple[bool, bool]:
     """(reshard after forward, offload) from the config and legacy ``fsdp`` strings."""
     offload = base.truthy(cfg.get("cpu_offload", False))
@@ -78,8 +112,9 @@ class FSDP(Engine):
         return bool(get("fsdp"))
 
     def from_args(self, get, world: int) -> Sharding:
-        cfg = base.load_json(get("fsdp_config"), "fsdp_config")
-        cfg = {k[5:] if k.startswith("fsdp_") else k: v for k, v in cfg.items()}
+        cfg = _config(get)
+        if "activation_checkpointing_offload" in cfg:
+            warnings.warn(IGNORED_AC_OFFLOAD, stacklevel=4)
         reshard, offload = _reshard(get("fsdp"), cfg)
         return Sharding("fsdp", world, 3 if reshard else 2, offload_params=offload,
                         offload_optimizer=offload, mixed_precision=bool(get("bf16") or get("fp16")),

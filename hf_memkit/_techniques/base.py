@@ -9,8 +9,11 @@ Per entry:
   * ``modelled``: False -> a warning names it and the estimate says it is ignored;
   * ``trace_hook(model, options, stage=..., adapters=...)``: applied to the fake model before a
     traced step (e.g. checkpointing wraps the layers);
-  * ``host_bytes(spec, setup, seq_len, options)``: bytes it keeps in host memory for a step,
-    added to ``MemoryEstimate.host_offloaded`` (0 when None);
+  * ``host_bytes(spec, setup, seq_len, options)``: bytes it keeps in host memory for a training
+    step, added to ``MemoryEstimate.host_offloaded`` (0 when None; an eval step counts none);
+  * ``devices``: the device kinds it acts on (empty: all). On any other target its host bytes
+    are not counted, its trace hook (given ``target=None``) must leave the model as it is, and
+    the estimate notes ``inert`` (why it changes nothing there);
   * ``extra_flops(n_params, attn_flops)``: compute it adds per token (the planner's cost model);
   * ``searched``: the planner tries it on and off; ``emit(on)`` gives the TrainingArguments
     fields for that, ``prepare(model)`` applies it in ``Plan.prepare``, ``supported(model_cls)``
@@ -65,6 +68,8 @@ class Technique:
     title: str | None = None              # in sentences (default: label)
     trace_hook: Callable[..., None] | None = None
     host_bytes: Callable[..., int] | None = None
+    devices: tuple[str, ...] = ()         # device kinds it acts on (empty: all)
+    inert: str = ""                       # the note on other device kinds
     extra_flops: Callable[[int, float], float] | None = None
     searched: bool = False
     emit: Callable[[bool, Mapping[str, Any]], dict[str, Any]] | None = None
@@ -78,6 +83,9 @@ class Technique:
     @property
     def sentence_name(self) -> str:
         return self.title or self.display
+
+    def acts_on(self, device_kind: str) -> bool:
+        return not self.devices or device_kind in self.devices
 
 
 TECHNIQUES: Registry[Technique] = Registry("memory technique")

@@ -1,8 +1,66 @@
-"""``use_liger_kernel``: Liger's fused cross-entropy and RMSNorm. Not modelled yet: warned."""
+"""``use_liger_kernel`` (+ ``liger_kernel_config``): Liger's Triton kernels, patched into the model
+by the Trainer (transformers ``integrations/liger.py::apply_liger_kernel`` ->
+``_apply_liger_kernel_to_instance(model, **liger_kernel_config)``).
 
-from .base import Technique, flag, register
+Traced for CUDA targets by patching the fake model as Liger does, with autograd Functions that
+allocate and save what Liger's kernels' wrappers do (``_liger_emulation``): fused linear
+cross-entropy in chunks (no [tokens x vocab] logits), RMSNorm, SwiGLU/GEGLU, RoPE, and the
+optional cross-entropy kernel, each as ``liger_kernel_config`` switches it. Liger needs a GPU
+(Triton), so a CPU (or MPS) target is refused.
 
-register(Technique("use_liger_kernel", fields=("use_liger_kernel",),
-                   read=flag("use_liger_kernel"),
-                   what="Liger kernels (fused cross-entropy, RMSNorm) change activation memory",
-                   modelled=False))
+No extra FLOPs: with the Trainer's "mean"/"sum" reduction the fused loss computes the logits'
+gradient in the forward (``fused_linear_cross_entropy_forward``) instead of in the backward, the
+same three [tokens x H x V] matmuls; nothing is recomputed (only reduction="none" defers, and
+recomputes, the gradient: the Trainer never asks for it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .._errors import HfMemkitError
+from .base import Technique, register
+
+NAME = "use_liger_kernel"
+
+
+def _read(explicit: Mapping[str, Any], get: Callable[[str], Any]) -> dict[str, Any] | None:
+    if not get("use_liger_kernel"):
+        return None
+    config = get("liger_kernel_config") or {}
+    if not isinstance(config, Mapping):
+        raise HfMemkitError(f"liger_kernel_config must be a dict of kernel switches (e.g. "
+                            f"{{'fused_linear_cross_entropy': False}}), got {config!r}")
+    # the Trainer's eval with prediction_loss_only passes skip_logits=True (trainer.py)
+    return {"value": True, "config": {str(k): bool(v) for k, v in config.items()},
+            "prediction_loss_only": bool(get("prediction_loss_only"))}
+
+
+def refusal(device: str = "a CPU") -> str:
+    return (f"use_liger_kernel=True cannot run on {device}: Liger's kernels are Triton GPU "
+            "kernels. Drop use_liger_kernel (and liger_kernel_config) for this device, or "
+            "estimate for the GPU it will run on with device= (e.g. device=\"A100-80GB\")")
+
+
+def _trace_hook(model: Any, options: Mapping[str, Any], *, stage: str, adapters: bool,
+                target: Any = None) -> None:
+    if target is None:
+        raise HfMemkitError(refusal())
+    from .._liger_emulation import apply_liger
+
+    skip = True if stage == "eval" and options.get("prediction_loss_only") else None
+    try:
+        apply_liger(model, dict(options.get("config") or ()),
+                    compute_capability=target.compute_capability, skip_logits=skip)
+    except ValueError as exc:  # Liger's own assert, before any training step
+        raise HfMemkitError(f"liger_kernel_config: {exc} Set one of them to False (the "
+                            "default is fused_linear_cross_entropy=True, "
+                            "cross_entropy=False)") from exc
+
+
+register(Technique(
+    NAME, fields=("use_liger_kernel", "liger_kernel_config"), read=_read,
+    what="Liger kernels: fused linear cross-entropy in chunks (no [tokens x vocab] logits), "
+         "RMSNorm, SwiGLU and RoPE that save fewer activations",
+    label="Liger kernels", trace_hook=_trace_hook))
