@@ -10,6 +10,7 @@ another machine can then be a plain dict (``TrainingArguments`` validates bf16/t
 from __future__ import annotations
 
 import dataclasses
+import json
 import warnings
 from dataclasses import dataclass, field
 from functools import cache
@@ -19,16 +20,18 @@ from transformers import TrainingArguments
 
 from ._engines import Sharding, sharding_from_args
 from ._errors import ConfigError, HfMemkitError, did_you_mean
-from ._optimizers import get_optimizer_profile
+from ._optimizers import TARGET_MODULES_ARG, get_optimizer_profile
 from ._techniques import TechniqueUse, read_techniques, unmodelled
 from ._techniques.base import frozen
 from ._techniques.checkpointing import NAME as CHECKPOINTING
+from ._trainers import TRAINERS, trainer_of_args
 
 # Fields that never change what a traced forward/backward allocates: the trace cache key is every
 # other field of the setup, so a new field (or technique) is part of the key by construction.
 TRACE_INDEPENDENT = frozenset({
     "micro_batch", "eval_batch", "grad_accum", "optim", "optim_args", "max_grad_norm", "tf32",
     "eval_accumulation_steps", "prediction_loss_only", "sharding", "unmodelled", "notes"})
+PLAIN = TechniqueUse("trainer")
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,8 @@ class TrainingSetup:
     techniques: frozenset[TechniqueUse] = field(
         default=frozenset(), metadata={"help": "memory techniques that are on (_techniques)"})
     sharding: Sharding = field(default_factory=Sharding, metadata={"help": "per-rank split"})
+    trainer: TechniqueUse = field(default=PLAIN, metadata={
+        "help": "the trainer (_trainers) and the options its config sets"})
     unmodelled: tuple[str, ...] = field(default=(), metadata={"help": "warned settings"})
     notes: tuple[str, ...] = field(default=(), metadata={"help": "what reading the args assumed"})
 
@@ -75,6 +80,7 @@ class TrainingSetup:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["techniques"] = {u.name: dict(u.options) for u in sorted(self.techniques)}
         d["sharding"] = self.sharding.to_dict()
+        d["trainer"] = {"name": self.trainer.name, "options": dict(self.trainer.options)}
         return d
 
     @classmethod
@@ -85,14 +91,32 @@ class TrainingSetup:
                                     for n, o in (d.get("techniques") or {}).items())
         d["unmodelled"] = tuple(d.get("unmodelled", ()))
         d["notes"] = tuple(d.get("notes", ()))
+        t = d.get("trainer") or {"name": "trainer"}
+        d["trainer"] = TechniqueUse.of(t["name"], t.get("options"))
         return cls(**d)
 
 
-@cache
 def training_args_fields() -> dict[str, Any]:
     """Field name -> default of the installed ``TrainingArguments``."""
+    return config_fields(TrainingArguments)
+
+
+@cache
+def config_fields(cls: type) -> dict[str, Any]:
+    """Field name -> default of a config class. A TRL config's defaults are read from an
+    instance, since its ``__post_init__`` sets some (``SFTConfig``: bf16 and checkpointing
+    on), built with ``use_cpu=True`` so that this machine's hardware does not refuse them."""
+    if cls is not TrainingArguments:
+        import tempfile
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            inst = cls(output_dir=tempfile.gettempdir(), use_cpu=True, report_to=[])
+        plain = config_fields(TrainingArguments)
+        return {f.name: plain["use_cpu"] if f.name == "use_cpu" else getattr(inst, f.name)
+                for f in dataclasses.fields(cls)}
     out = {}
-    for f in dataclasses.fields(TrainingArguments):
+    for f in dataclasses.fields(cls):
         if f.default is not dataclasses.MISSING:
             out[f.name] = f.default
         elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
@@ -290,17 +314,28 @@ def parse_optim_args(text: str | dict | None) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in str(text).replace(" ", "").split(",") if "=" in kv)
 
 
+def _optim_args(r: _Reader) -> dict[str, str]:
+    """The parsed ``optim_args``, plus ``optim_target_modules`` (GaLore / APOLLO) under
+    ``TARGET_MODULES_ARG`` for the optimizer entries (_optimizers/base.py)."""
+    parsed = parse_optim_args(r.get("optim_args"))
+    targets = r.get("optim_target_modules")
+    if targets is not None:
+        parsed[TARGET_MODULES_ARG] = json.dumps(
+            targets if isinstance(targets, str) else list(targets))
+    return parsed
+
+
 class _Reader:
     """Reads fields (with the installed defaults) and gathers every problem."""
 
-    def __init__(self, d: dict[str, Any], is_ta: bool):
+    def __init__(self, d: dict[str, Any], is_ta: bool, cls: type = TrainingArguments):
         self.d, self.is_ta = d, is_ta
-        self.fields = training_args_fields()
+        self.fields = config_fields(cls)
         self.problems: list[str] = []
         if not is_ta:
             for k in d:
                 if k not in self.fields:
-                    self.problems.append(f"`{k}` is not a TrainingArguments field"
+                    self.problems.append(f"`{k}` is not a {cls.__name__} field"
                                          f"{did_you_mean(k, self.fields)}")
                     continue
                 try:  # by the field's type: bf16="False" is False, "abc" for a float an error
@@ -323,8 +358,14 @@ class _Reader:
     def explicit(self) -> dict[str, Any]:
         """The fields a user set. ``TrainingArguments`` keeps both checkpointing names in sync;
         its new name is the truth (DESIGN.md)."""
-        if not self.is_ta:
-            return self.d
+        if not self.is_ta:  # a TRL config's own defaults that differ from TrainingArguments'
+            plain = training_args_fields()
+            ckpt = ("activation_checkpointing", "gradient_checkpointing")
+            given = any(k.startswith(ckpt) for k in self.d)  # either name, as __post_init__
+            own = {k: v for k, v in self.fields.items() if k in plain and v != plain[k]
+                   and not k.startswith("gradient_checkpointing")
+                   and not (given and k.startswith(ckpt))}
+            return {**own, **self.d}
         return {k: v for k, v in self.d.items() if not k.startswith("gradient_checkpointing")}
 
 
@@ -337,9 +378,16 @@ def _check_num_gpus(num_gpus: Any, problems: list[str]) -> int | None:
 
 
 def normalize_args(args: TrainingArguments | dict[str, Any] | None, *,
-                   source: str = "args", num_gpus: int | None = None) -> TrainingSetup:
-    """Read what changes memory; gather every problem and raise them together."""
-    r = _Reader(*_as_dict(args))
+                   source: str = "args", num_gpus: int | None = None,
+                   trainer: str | None = None, ref_model: bool | None = None) -> TrainingSetup:
+    """Read what changes memory; gather every problem and raise them together. ``trainer``:
+    a registered trainer name (default: from the config's class, ``_trainers``);
+    ``ref_model``: DPO only, the user passes their own reference model."""
+    kind = TRAINERS.get(trainer_of_args(args, trainer))
+    if ref_model is not None and kind.name != "dpo":
+        raise ConfigError([f"ref_model is a DPOTrainer setting, but the trainer is "
+                           f"{kind.title}; leave ref_model out"], source=source)
+    r = _Reader(*_as_dict(args), cls=kind.config_type())
     micro, accum, eval_b = (r.positive_int("per_device_train_batch_size"),
                             r.positive_int("gradient_accumulation_steps"),
                             r.positive_int("per_device_eval_batch_size"))
@@ -364,17 +412,21 @@ def normalize_args(args: TrainingArguments | dict[str, Any] | None, *,
                                                  "offload": False}))
     if r.problems:
         raise ConfigError(r.problems, source=source)
-    warned = unmodelled(uses)
+    options = dict(kind.read(r.get))
+    if ref_model is not None:
+        options["ref_model"] = bool(ref_model)
+    warned = unmodelled(uses) + kind.unmodelled(options)
     for msg in warned:
         warnings.warn(f"hf_memkit does not model {msg}; the estimate ignores it", stacklevel=3)
     eval_acc = r.get("eval_accumulation_steps")
     return TrainingSetup(
         micro_batch=micro, grad_accum=accum, eval_batch=eval_b,
         amp="bf16" if bf16 else "fp16" if fp16 else None, tf32=bool(r.get("tf32")),
-        optim=optim, optim_args=parse_optim_args(r.get("optim_args")),
+        optim=optim, optim_args=_optim_args(r),
         max_grad_norm=float(r.get("max_grad_norm") or 0.0),
         eval_accumulation_steps=int(eval_acc) if eval_acc else None,
         prediction_loss_only=bool(r.get("prediction_loss_only")),
         techniques=frozenset(uses), sharding=sharding, unmodelled=tuple(warned),
-        notes=tuple(sharding_notes),
+        notes=tuple(sharding_notes) + tuple(kind.notes(options)),
+        trainer=TechniqueUse.of(kind.name, options),
     )

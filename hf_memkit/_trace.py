@@ -37,6 +37,7 @@ from ._cuda_emulation import CudaTarget, emulate_cuda
 from ._errors import HfMemkitError
 from ._model.facts import DECODER_DEPTH_KEYS, DEPTH_KEYS, ENCODER_DEPTH_KEYS
 from ._trace_events import EventLog
+from ._trace_quant import SimLinear4bit, quantizable_linears
 
 try:  # private torch APIs, fenced here and nowhere else
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -92,6 +93,7 @@ class TraceResult:
     sdpa_kernels: tuple[str, ...] = ()   # the CUDA kernel of each SDPA call (CUDA targets)
     events: EventLog | None = None       # CUDA targets: allocations and frees, for the replay
     trainable: tuple[int, ...] = ()      # bytes of each trainable parameter, in model order
+    reference: int = 0                   # weights of a reference model copy (in ``weights``)
 
     @property
     def peak(self) -> int:
@@ -159,7 +161,12 @@ def make_batch(task: str, batch: int, seq_len: int, *, target_len: int | None = 
 
 
 @contextlib.contextmanager
-def _unpacked_sequences():
+def _unpacked_sequences(packed: bool = False):
+    """Ordinary batches are not packed (see the module docstring); a padding-free batch is, and
+    ``find_packed_sequence_indices`` returns its sequence index on fake tensors as it is."""
+    if packed:
+        yield
+        return
     try:
         import transformers.masking_utils as mu
     except ImportError:  # transformers without masking_utils: nothing to patch
@@ -218,7 +225,7 @@ if MemTracker is not None:
                 self.log.gone(winfo.mk_key)
 
 
-def new_tracker(model: torch.nn.Module, inputs: list[torch.Tensor],
+def new_tracker(model: torch.nn.Module, inputs: list[Any],
                 log: EventLog | None = None) -> Any:
     """A MemTracker over ``model`` and ``inputs`` (logging allocations into ``log``). torch's
     MemTracker registers a gradient hook on every parameter and fails on frozen ones (a LoRA
@@ -226,7 +233,8 @@ def new_tracker(model: torch.nn.Module, inputs: list[torch.Tensor],
     mt = _GlobalPeakTracker()
     mt.log = log
     mt.track_external(model, *inputs)
-    for p in model.parameters():
+    modules = [model] + [x for x in inputs if isinstance(x, torch.nn.Module)]  # + a reference
+    for p in (p for m in modules for p in m.parameters()):
         if not p.requires_grad:
             mt._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
     return mt
@@ -251,58 +259,6 @@ def _nbytes(tensors) -> int:
             seen.add(key)
             total += t.numel() * t.element_size()
     return total
-
-
-class _Dequant4bitMatmul(torch.autograd.Function):
-    """Memory behaviour of bitsandbytes' MatMul4Bit (bitsandbytes/autograd/_functions.py): the
-    forward dequantises the packed weight to the compute dtype for the GEMM; only the packed
-    weight is kept for backward, which dequantises it again to compute the input's gradient."""
-
-    @staticmethod
-    def forward(ctx, x, packed, out_features: int):
-        w = torch.empty(out_features, x.shape[-1], dtype=x.dtype, device=x.device)
-        ctx.save_for_backward(packed)
-        ctx.shape = (out_features, x.shape[-1])
-        return x @ w.t()
-
-    @staticmethod
-    def backward(ctx, grad):
-        w = torch.empty(ctx.shape, dtype=grad.dtype, device=grad.device)
-        return grad @ w, None, None
-
-
-class SimLinear4bit(torch.nn.Module):
-    """Stands in for ``bnb.nn.Linear4bit`` while tracing: an NF4-packed frozen weight
-    (2 weights per byte) with one fp32 absmax per 64-weight block, and Linear4bit.forward's
-    dtype handling (input cast to the compute dtype, output cast back)."""
-
-    def __init__(self, linear: torch.nn.Linear, compute_dtype: torch.dtype):
-        super().__init__()
-        n = linear.in_features * linear.out_features
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.compute_dtype = compute_dtype
-        self.weight = torch.nn.Parameter(torch.empty((n + 1) // 2, 1, dtype=torch.uint8),
-                                         requires_grad=False)
-        self.register_buffer("absmax", torch.empty(-(-n // 64), dtype=torch.float32))
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        inp_dtype = x.dtype
-        out = _Dequant4bitMatmul.apply(x.to(self.compute_dtype), self.weight, self.out_features)
-        if self.bias is not None:
-            out = out + self.bias.to(self.compute_dtype)
-        return out.to(inp_dtype)
-
-
-def quantizable_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
-    """The nn.Linear modules bitsandbytes replaces: all but the output head and adapters."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    out = []
-    for name, mod in model.named_modules():
-        if type(mod) is torch.nn.Linear and mod is not head and "lora_" not in name and \
-                not name.endswith(("lm_head", "classifier", "score", "qa_outputs")):
-            out.append((name, mod))
-    return out
 
 
 def build_fake(model_cls: type, config: Any, *, fm: Any, attn_implementation: str | None,
@@ -347,12 +303,13 @@ def build_fake(model_cls: type, config: Any, *, fm: Any, attn_implementation: st
 
 def _train_micro_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], loss: str,
                       grad_accum: int, suffix: str, record: Callable[[str], None],
-                      forward_only: bool) -> None:
-    out = model(**batch)
-    if loss == "logits_sum":
-        value = out.logits.sum()
+                      forward_only: bool, step: Any = None, reference: Any = None) -> None:
+    if step is not None:  # a trainer's own loss (_trainers.TraceStep)
+        out = value = step.loss(model, batch, reference)
     else:
-        value = out.loss if hasattr(out, "loss") else out[0]
+        out = model(**batch)
+        value = out.logits.sum() if loss == "logits_sum" else \
+            out.loss if hasattr(out, "loss") else out[0]
     if grad_accum > 1:
         value = value / grad_accum
     del out
@@ -364,6 +321,46 @@ def _train_micro_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], lo
     record("backward" + suffix)
 
 
+def _batch(task: str, batch: int, seq_len: int, *, target_len: int | None, padded: bool,
+           config: Any, packed: bool, labels: bool) -> dict[str, torch.Tensor]:
+    b = make_batch(task, batch, seq_len, target_len=target_len, padded=padded, config=config)
+    if packed:  # padding-free: the sequence boundaries are in position_ids
+        b["position_ids"] = torch.zeros_like(b["input_ids"])
+    if not labels:
+        b.pop("labels", None)
+    return b
+
+
+def _models(model_cls: type, config: Any, *, fm: Any, attn_implementation: str | None,
+            dtype: torch.dtype, lora: LoraSpec | None, hooks: Sequence[Callable[..., None]],
+            stage: str, target: CudaTarget | None, amp: str | None, trainer: Any,
+            reference: str | None) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """The fake model as the trainer runs it (techniques' hooks, the trainer's patches, mixed
+    precision), and the frozen reference copy when the trainer holds one."""
+    model = build_fake(model_cls, config, fm=fm, attn_implementation=attn_implementation,
+                       dtype=dtype, lora=lora)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for hook in hooks:
+        hook(base, stage=stage, adapters=lora is not None, target=target)
+    ref = None
+    if trainer is not None:
+        trainer.prepare(base, adapters=lora is not None)
+        if reference == "copy":
+            ref = build_fake(model_cls, config, fm=fm, attn_implementation=attn_implementation,
+                             dtype=dtype, lora=None).requires_grad_(False).eval()
+            trainer.prepare_reference(ref)
+    model.train(stage == "train")
+    for m in (model, ref) if amp else ():
+        if m is not None:
+            _wrap_amp(m, amp)
+    if reference == "adapters" and lora is not None:
+        # the policy with its adapters disabled, as module objects of its own (the tracker
+        # refuses a second forward of the same modules in one step) over the same tensors
+        shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+        ref = copy.deepcopy(model, memo=shared)
+    return model, ref
+
+
 @quiet_notices()  # transformers' notices about the traced model are not the user's to act on
 def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq_len: int,
                grad_accum: int = 1, amp: str | None = None, dtype: torch.dtype = torch.float32,
@@ -371,44 +368,40 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
                stage: str = "train", target_len: int | None = None,
                padded: bool = False, loss: str = "labels",
                hooks: Sequence[Callable[..., None]] = (),
-               forward_only: bool = False, target: CudaTarget | None = None) -> TraceResult:
+               forward_only: bool = False, target: CudaTarget | None = None,
+               trainer: Any = None, reference: str | None = None) -> TraceResult:
     """Peak bytes of one forward(+loss+backward) of ``config`` on fake tensors.
 
-    ``hooks`` are the setup's memory techniques (``_techniques``): each is called as
-    ``hook(model, stage=..., adapters=...)`` on the fake (base) model before the step.
-    ``forward_only``: trace only the first micro-step's forward (a cheap lower bound of a train
-    step: its forward phase).
+    ``hooks``: the setup's techniques, ``hook(model, stage=, adapters=, target=)`` on the fake
+    (base) model. ``forward_only``: trace only the first micro-step's forward (a lower bound).
 
     ``target``: a CUDA target to trace as CUDA runs it (``_cuda_emulation``: CUDA's autocast
     policy, SDPA kernel and dropout); None traces this CPU's behaviour.
 
     ``loss="labels"`` is the Trainer's path (the model's own loss from ``labels``);
     ``loss="logits_sum"`` feeds no labels and backpropagates ``logits.sum()``, as some published
-    benchmarks do (shared/anchors note_sdpa_training_benchmark_script).
+    benchmarks do (shared/anchors note_sdpa_training_benchmark_script). ``trainer``: a
+    ``_trainers.TraceStep`` whose loss replaces the model's (TRL's fused head); ``reference``
+    "copy": a frozen copy of the model serves as its reference (DPO), held with the weights.
     """
     if loss not in ("labels", "logits_sum"):
         raise HfMemkitError(f"loss must be 'labels' or 'logits_sum', got {loss!r}")
     require_tracing()
     t0 = time.perf_counter()
+    packed = bool(getattr(trainer, "packed", False))
     fm = FakeTensorMode(allow_non_fake_inputs=False)
-    model = build_fake(model_cls, config, fm=fm, attn_implementation=attn_implementation,
-                       dtype=dtype, lora=lora)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    for hook in hooks:
-        hook(base, stage=stage, adapters=lora is not None)
-    model.train(stage == "train")
-    if amp:
-        _wrap_amp(model, amp)
+    model, ref = _models(model_cls, config, fm=fm, attn_implementation=attn_implementation,
+                         dtype=dtype, lora=lora, hooks=hooks, stage=stage, target=target,
+                         amp=amp, trainer=trainer, reference=reference)
     n_micro = min(grad_accum, 2) if stage == "train" else 1
     with fm:
-        batches = [make_batch(task, micro_batch, seq_len, target_len=target_len,
-                              padded=padded, config=config) for _ in range(max(grad_accum, 1) if stage == "train"
-                                                            else 1)]
-        if loss == "logits_sum":
-            for b in batches:
-                b.pop("labels", None)
+        batches = [_batch(task, micro_batch, seq_len, target_len=target_len, padded=padded,
+                          config=config, packed=packed, labels=loss == "labels")
+                   for _ in range(max(grad_accum, 1) if stage == "train" else 1)]
     params = [p for p in model.parameters() if p.requires_grad]
-    weights = _nbytes(list(model.parameters()) + list(model.buffers()))
+    ref_bytes = _nbytes(list(ref.parameters()) + list(ref.buffers())) \
+        if ref is not None and reference == "copy" else 0
+    weights = _nbytes(list(model.parameters()) + list(model.buffers())) + ref_bytes
     grads = _nbytes(params)
     inputs = sum(t.numel() * t.element_size() for b in batches for t in b.values())
 
@@ -426,16 +419,19 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
     log = EventLog() if target is not None and not forward_only else None
     for i in range(1 if forward_only else n_micro):
         # a fresh tracker per micro-step registers the gradients the previous one left as such
-        mt = new_tracker(model, all_inputs, log)
+        mt = new_tracker(model, all_inputs + ([ref] if ref is not None else []), log)
         if log is not None:
             log.mark(f"micro{i}")
-        with fm, mt, _unpacked_sequences(), emulate_cuda(target) as cuda_ops:
+        with fm, mt, _unpacked_sequences(packed), emulate_cuda(target) as cuda_ops, \
+                trainer.context(target) if trainer is not None else contextlib.nullcontext():
             if stage == "train":
                 _train_micro_step(model, batches[i], loss, grad_accum, "_accum" if i else "",
-                                  lambda name, _mt=mt: record(_mt, name), forward_only)
+                                  lambda name, _mt=mt: record(_mt, name), forward_only,
+                                  trainer, ref)
             else:
                 with torch.no_grad():
-                    out = model(**batches[0])
+                    out = model(**batches[0]) if trainer is None else \
+                        trainer.loss(model, batches[0], ref)
                     del out
                 record(mt, "eval")
             if cuda_ops is not None and i == 0:
@@ -443,4 +439,5 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
     return TraceResult(num_layers=layer_count(config), weights=weights, grads=grads,
                        inputs=inputs, phases=phases, categories=categories,
                        seconds=time.perf_counter() - t0, sdpa_kernels=tuple(kernels),
-                       events=log, trainable=tuple(p.numel() * p.element_size() for p in params))
+                       events=log, trainable=tuple(p.numel() * p.element_size() for p in params),
+                       reference=ref_bytes)

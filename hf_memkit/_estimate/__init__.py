@@ -19,6 +19,7 @@ from .._engines import Sharding
 from .._errors import ConfigError, HfMemkitError
 from .._model.spec import resolve_model
 from .._setup import normalize_args
+from .._trainers import TRAINERS
 from .._units import parse_bytes
 from .activations import TraceCache
 from .budget import headroom_problem, memory_budget, resolve_headroom
@@ -63,14 +64,16 @@ def _warn_precision(amp: str | None, tf32: bool, dev: Any) -> None:
                       "drop tf32", UserWarning, stacklevel=3)
 
 
-def estimate_memory(model: Any, args: Any = None, *, seq_len: int, device: Any = None,
+def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,
+                    device: Any = None,
                     stage: str = "train", task: str | None = None, target_len: int | None = None,
                     dtype: torch.dtype | str | None = None, attn_implementation: str | None = None,
                     peft_config: Any = None, quantization_config: Any = None,
                     padded: bool = False, num_gpus: int | None = None,
                     sharding: Sharding | None = None,
                     cuda_version: str | None = None, headroom: float | None = None,
-                    max_memory: int | str | None = None) -> MemoryEstimate:
+                    max_memory: int | str | None = None, trainer: str | None = None,
+                    ref_model: bool | None = None) -> MemoryEstimate:
     """Predict the peak memory of one training (``stage="train"``) or eval step.
 
     ``stage="forward_backward"``: the peak of one forward and backward of the model's own loss
@@ -93,7 +96,22 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int, device: Any =
     the estimate is one rank's (FSDP2 / ZeRO shards, gathered layers, buckets), otherwise DDP.
     ``headroom`` / ``max_memory``: the budget ``fits`` is judged against, as ``plan_training``
     takes them (``max_memory``, bytes or "20GiB", overrides the device's total x (1 - headroom)).
+
+    ``trainer``: "trainer" (``transformers.Trainer``), "sft" (TRL's ``SFTTrainer``) or "dpo"
+    (``DPOTrainer``); default from ``args``' class (an ``SFTConfig`` means "sft"). TRL trainers
+    are estimated as they run: their fused log-prob head, ``max_length`` as the default
+    ``seq_len``, padding-free / packed micro-batches, DPO's chosen+rejected rows and its
+    reference model. ``ref_model=True`` (DPO): you pass your own ``ref_model`` (a frozen copy
+    held on the device even for a PEFT policy or with ``precompute_ref_log_probs``).
     """
+    setup = normalize_args(args, source="args", num_gpus=num_gpus, trainer=trainer,
+                           ref_model=ref_model)
+    if seq_len is None:
+        seq_len = TRAINERS.get(setup.trainer.name).seq_len(dict(setup.trainer.options))
+        if seq_len is None:
+            raise ConfigError([f"seq_len is required: {TRAINERS.get(setup.trainer.name).title}'s "
+                               "arguments carry no max_length; pass seq_len=<the longest "
+                               "sequence of a batch>"], source="estimate_memory")
     problems = _problems(seq_len, stage, target_len)
     if cuda_version is not None:
         try:
@@ -110,7 +128,6 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int, device: Any =
             problems.append(f"max_memory: {exc}")
     if problems:
         raise ConfigError(problems, source="estimate_memory")
-    setup = normalize_args(args, source="args", num_gpus=num_gpus)
     if sharding is not None:
         setup = setup.replace(sharding=sharding)
     dev = resolve_device(device)

@@ -31,6 +31,7 @@ from .._model.tasks import TASKS
 from .._optimizers import OptimizerContext, OptimizerMemory, get_optimizer_profile
 from .._setup import TrainingSetup
 from .._techniques import TECHNIQUES
+from .._trainers import TRAINERS
 from .._units import format_bytes
 from .activations import Excess, TraceCache, trace_excess
 from .device import device_terms
@@ -60,6 +61,10 @@ def check_setup(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, seq_len:
     if setup.tf32:
         notes.append("tf32 changes matmul precision only; no memory effect")
     notes.extend(f"not modelled: {u}" for u in setup.unmodelled)
+    for use in sorted(setup.techniques):
+        t = TECHNIQUES.get(use.name)
+        if not t.acts_on(dev.kind):
+            notes.append(f"{t.sentence_name} changes nothing on a {dev.kind} target: {t.inert}")
     return notes
 
 
@@ -97,12 +102,14 @@ def _state_notes(setup: TrainingSetup, rs: RankStates, om: OptimizerMemory,
     return notes
 
 
-def technique_host_bytes(spec: ModelSpec, setup: TrainingSetup, seq_len: int) -> int:
-    """Host memory the setup's techniques keep for a step (``Technique.host_bytes``)."""
+def technique_host_bytes(spec: ModelSpec, setup: TrainingSetup, seq_len: int, *,
+                         device_kind: str = "cuda", stage: str = "train") -> int:
+    """Host memory the setup's techniques keep for a training step (``Technique.host_bytes``;
+    none for an eval step or a technique that does not act on ``device_kind``)."""
     total = 0
-    for use in setup.techniques:
+    for use in setup.techniques if stage != "eval" else ():
         t = TECHNIQUES.get(use.name)
-        if t.host_bytes is not None:
+        if t.host_bytes is not None and t.acts_on(device_kind):
             total += int(t.host_bytes(spec, setup, seq_len, dict(use.options)))
     return total
 
@@ -126,6 +133,7 @@ class _Step:
     rs: RankStates
     grad_factor: float
     G_acc: int
+    reference: int = 0   # a DPO reference model's weights, held through the step
 
 
 def _train_phases(ex: Excess, xp: dict[str, int], rs: RankStates) -> dict[str, int]:
@@ -169,7 +177,19 @@ def _step(spec: ModelSpec, trace_spec: ModelSpec, setup: TrainingSetup, ex: Exce
     else:
         phases = {"eval forward": rs.weights + ex.inputs + rs.optimizer + rs.buckets
                   + rs.gathered_forward + xp["eval"]}
-    return _Step(phases, ex, rs, grad_factor, G_acc)
+    ref = reference_bytes(spec, setup)
+    return _Step({k: v + ref for k, v in phases.items()}, ex, rs, grad_factor, G_acc, ref)
+
+
+def reference_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
+    """The weights of the trainer's separate reference model (DPO without PEFT): a frozen copy
+    of the policy as loaded (its base, without adapters, when the user passes one to a PEFT
+    policy), whole on every rank."""
+    kind = TRAINERS.get(setup.trainer.name)
+    if kind.reference(dict(setup.trainer.options), spec.lora is not None) != "copy":
+        return 0
+    weights, trainable = spec.states()
+    return weights - (sum(p.nbytes for p in trainable) if spec.lora is not None else 0)
 
 
 def _eval_logits_note(spec: ModelSpec, setup: TrainingSetup, seq_len: int,
@@ -198,7 +218,8 @@ def _breakdown(step: _Step, phase: str) -> dict[str, int]:
         grads_now += int(traced * step.grad_factor) if phase == "backward" else traced
     gathered = rs.gathered_backward if phase.startswith("backward") else \
         0 if phase == "optimizer step" else rs.gathered_forward
-    parts = {"weights": rs.weights + gathered, "gradients": grads_now + rs.buckets,
+    parts = {"weights": rs.weights + gathered + step.reference,
+             "gradients": grads_now + rs.buckets,
              "optimizer": rs.optimizer, "activations": cats.get("Activation", 0)}
     parts["temporaries"] = step.phases[phase] - sum(parts.values())
     if parts["temporaries"] < 0:  # extrapolated categories can overshoot by a few bytes
@@ -231,6 +252,10 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
         rs = dataclasses.replace(rs, optimizer=0, optimizer_transient=0)
         om = dataclasses.replace(om, state=0, transient=0, paged=0)
     notes += _state_notes(setup, rs, om, dev)
+    ref = reference_bytes(spec, setup)
+    if ref:
+        notes.append(f"the reference model: a frozen copy ({format_bytes(ref)}) held on the "
+                     "device (precompute_ref_log_probs=True or a PEFT policy frees it)")
     trace_spec, trace_setup = trace_variant(spec, setup)
     kw = dict(seq_len=seq_len, stage=stage, target_len=target_len, padded=padded, target=target)
     if cache is None:
@@ -259,6 +284,7 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
         breakdown={k: int(v) for k, v in parts.items()}, peak_phase=phase, stage=stage,
         device=dev, setup=setup, seq_len=seq_len, uncertainty=rel, notes=notes,
         trace_seconds=ex.seconds, traced_layers=ex.layers, model_states=int(rs.model_states),
-        host_offloaded=int(rs.host) + technique_host_bytes(spec, setup, seq_len),
+        host_offloaded=int(rs.host) + technique_host_bytes(
+            spec, setup, seq_len, device_kind=dev.kind, stage=stage),
         lower_bound=ex.lower_bound, cuda_version=runtime.version if runtime else None,
         margin=terms.margin)

@@ -22,6 +22,7 @@ from .._methods import METHODS, Method, ladder, method_choices
 from .._model.profile import architecture_facts, unwrap_model
 from .._model.spec import loaded_weights
 from .._setup import training_args_fields
+from .._trainers import trainer_of_args
 from .cost import Shape
 from .emit import ArgsContext, accelerator_kwargs, model_kwargs, parallel_summary, training_args
 from .request import PlanRequest, Problem
@@ -91,18 +92,22 @@ def _request(model: Any, *, seq_len: int, target_batch_size: int, device: Any = 
              num_gpus: int | None = None, method: str = "auto", headroom: float | None = None,
              max_memory: int | str | None = None, task: str | None = None, num_nodes: int = 1,
              engine: str = "auto", host_memory: int | str | None = None,
-             cuda_version: str | None = None, **constraints: Any) -> PlanRequest:
+             cuda_version: str | None = None, trainer: str | None = None,
+             **constraints: Any) -> PlanRequest:
     headroom = resolve_headroom(headroom, max_memory, "plan_training", stacklevel=4)
+    if trainer is not None:
+        trainer = trainer_of_args(None, trainer)  # a clear error for GRPO, RLOO, a typo
     return PlanRequest(model, seq_len, target_batch_size, device, num_gpus, method, headroom,
                        max_memory, task, num_nodes, engine, host_memory, dict(constraints),
-                       cuda_version=cuda_version)
+                       cuda_version=cuda_version, trainer=trainer)
 
 
 def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: Any = None,
                   num_gpus: int | None = None, method: str = "auto", headroom: float | None = None,
                   max_memory: int | str | None = None, task: str | None = None,
                   num_nodes: int = 1, engine: str = "auto", host_memory: int | str | None = None,
-                  cuda_version: str | None = None, **constraints: Any) -> Plan:
+                  cuda_version: str | None = None, trainer: str | None = None,
+                  **constraints: Any) -> Plan:
     """Choose the fastest setup whose predicted ``device_used`` fits the memory budget.
 
     ``constraints`` pin TrainingArguments fields (e.g. ``optim="adamw_torch_fused"``,
@@ -113,11 +118,15 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
     "512GiB", per node) bounds what offload may keep in CPU RAM; planning for this machine it
     defaults to its RAM, for a catalog GPU offload is only noted with what it needs.
     ``cuda_version``: the target's CUDA (``estimate_memory``); default the installed torch's.
+    ``trainer``: "sft" / "dpo" plans for TRL's ``SFTTrainer`` / ``DPOTrainer`` step (their
+    fused head, DPO's chosen+rejected rows and reference model); ``constraints`` may then pin
+    that config's fields (``packing=True``), ``max_length`` is ``seq_len`` unless pinned, and
+    ``to_training_args()`` builds the trainer's config (or ``apply_to`` your own).
     """
     req = _request(model, seq_len=seq_len, target_batch_size=target_batch_size, device=device,
                    num_gpus=num_gpus, method=method, headroom=headroom, max_memory=max_memory,
                    task=task, num_nodes=num_nodes, engine=engine, host_memory=host_memory,
-                   cuda_version=cuda_version, **constraints)
+                   cuda_version=cuda_version, trainer=trainer, **constraints)
     req.raise_problems("plan_training")
     s, cands = search_for(req)
     return _finish(s, cands, s.run(cands))

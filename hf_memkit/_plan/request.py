@@ -20,7 +20,8 @@ from .._engines import engine_choices
 from .._errors import ConfigError, did_you_mean
 from .._estimate.budget import headroom_problem, memory_budget
 from .._methods import METHODS, method_choices
-from .._setup import training_args_fields
+from .._setup import config_fields, training_args_fields
+from .._trainers import TRAINERS
 from .._units import parse_bytes
 
 # GPUs one node of the catalog cards holds (HGX/DGX boards); more need num_nodes.
@@ -72,6 +73,7 @@ class PlanRequest:
     constraints: dict[str, Any] = field(default_factory=dict)
     partial: bool = False
     cuda_version: str | None = None
+    trainer: str | None = None        # a registered trainer (_trainers); None: Trainer
 
     # -- derived ------------------------------------------------------------------------------
     @property
@@ -96,8 +98,15 @@ class PlanRequest:
 
     @cached_property
     def pins(self) -> dict[str, Any]:
-        fields = training_args_fields()
-        return {k: v for k, v in self.constraints.items() if k in fields}
+        """The constraints that are fields of the trainer's config; a TRL trainer's
+        ``max_length`` is the planned ``seq_len`` unless pinned (it truncates the rows)."""
+        kind = TRAINERS.get(self.trainer or "trainer")
+        fields = training_args_fields() if kind.name == "trainer" else \
+            config_fields(kind.config_type())
+        out = {k: v for k, v in self.constraints.items() if k in fields}
+        if "max_length" in fields and "max_length" not in out and self.seq_len:
+            out["max_length"] = self.seq_len
+        return out
 
     @cached_property
     def search(self) -> dict[str, Any]:

@@ -65,16 +65,20 @@ class Plan:
 
     # -- using it ---------------------------------------------------------------------------
     def to_training_args(self, **overrides: Any):
-        """``TrainingArguments`` of the plan (build it on the target machine). An override that
-        changes memory is re-estimated; if the result no longer fits, a warning shows it."""
-        from transformers import TrainingArguments
+        """``TrainingArguments`` of the plan (build it on the target machine); a plan for a TRL
+        trainer builds its config (``SFTConfig``, ``DPOConfig``). An override that changes
+        memory is re-estimated; if the result no longer fits, a warning shows it."""
+        from .._trainers import TRAINERS
 
+        est = self.chosen.estimate if self.chosen is not None else None
+        kind = TRAINERS.get(est.setup.trainer.name if est is not None else "trainer")
+        TrainingArguments = kind.config_type()  # noqa: N806 - the class the user would name
         kwargs = dict(self.training_args_kwargs)
         kwargs.setdefault("output_dir", overrides.pop("output_dir", "hf_memkit_output"))
         kwargs.update(overrides)
         if MEMORY_FIELDS & set(overrides) and self.chosen.estimate is not None:
             self._warn_if_override_does_not_fit(kwargs)
-        return self._build(lambda: TrainingArguments(**kwargs), "TrainingArguments")
+        return self._build(lambda: TrainingArguments(**kwargs), TrainingArguments.__name__)
 
     def apply_to(self, args: Any) -> Any:
         """``args`` (``TrainingArguments`` or a subclass: ``SFTConfig``, ``DPOConfig``, your

@@ -47,7 +47,7 @@ class Search:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return normalize_args(training_args(c, self.ctx, eval_batch), source="plan",
-                                  num_gpus=self.req.ranks)
+                                  num_gpus=self.req.ranks, trainer=self.req.trainer)
 
     def estimate(self, c: Candidate, *, exact: bool = True, stage: str = "train",
                  setup: TrainingSetup | None = None, probe: bool = False) -> MemoryEstimate:

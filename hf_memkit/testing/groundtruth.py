@@ -34,7 +34,8 @@ def measure_trainer_peak(spec: dict[str, Any], *, timeout: float = 900.0) -> dic
 
     ``spec``: ``config`` (``PretrainedConfig.to_dict()``), ``task``, ``args`` (TrainingArguments
     fields), ``seq_len``, optional ``steps`` (3), ``dtype`` ("float32"), ``attn_implementation``,
-    ``lora`` (LoraConfig kwargs), ``quantization`` (BitsAndBytesConfig kwargs), ``target_len``.
+    ``lora`` (LoraConfig kwargs), ``quantization`` (BitsAndBytesConfig kwargs), ``target_len``,
+    ``trainer`` ("sft" / "dpo": a TRL trainer, its data as ``groundtruth_trl`` describes).
     Returns ``{"peak": bytes, "steps": [...], "param_bytes": ...}``.
     """
     env = dict(os.environ)
@@ -149,12 +150,10 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         a = dict(spec["args"])
         n = a.get("per_device_train_batch_size", 8) * a.get("gradient_accumulation_steps", 1) * (
             steps + 1)
-        data = synthetic_examples(spec, model.config, n)
         a.update(output_dir=os.path.join(workdir, "out"), max_steps=steps, use_cpu=True,
                  report_to=[], save_strategy="no", logging_strategy="no", eval_strategy="no",
                  dataloader_num_workers=0, dataloader_pin_memory=False, disable_tqdm=True,
                  learning_rate=a.get("learning_rate", 1e-4))
-        args = transformers.TrainingArguments(**a)
         records: list[dict[str, int]] = []
 
         with_mt = bool(spec.get("memtracker"))  # cross-check: torch's MemTracker on real tensors
@@ -182,11 +181,17 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
                 if with_mt:  # MemTracker refuses a second forward of the same modules without it
                     self.mt.reset_mod_stats()
 
-        def collate(xs):
-            return {k: torch.stack([x[k] for x in xs]) for k in xs[0]}
+        if spec.get("trainer", "trainer") != "trainer":  # TRL: its own config, data and trainer
+            from .groundtruth_trl import make_trl_trainer
 
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
-                                       data_collator=collate, callbacks=[Window()])
+            trainer = make_trl_trainer(spec, model, a, n, workdir, [Window()])
+        else:
+            def collate(xs):
+                return {k: torch.stack([x[k] for x in xs]) for k in xs[0]}
+
+            trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(**a),
+                                           train_dataset=synthetic_examples(spec, model.config, n),
+                                           data_collator=collate, callbacks=[Window()])
         trainer.train()
         steady = [r for r in records if r["step"] >= 2] or records
         secs = sorted(r["seconds"] for r in steady)

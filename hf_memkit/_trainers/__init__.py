@@ -1,0 +1,10 @@
+"""Trainers whose step hf_memkit models, one registered ``TrainerKind`` per file (``base``):
+``transformers.Trainer``, TRL's ``SFTTrainer`` and ``DPOTrainer``."""
+
+# isort: off
+from . import trainer, sft, dpo  # noqa: F401  (registers, in this order)
+# isort: on
+from .base import TRAINERS, BatchShape, TraceStep, TrainerKind, register
+from .detect import trainer_of_args
+
+__all__ = ["TRAINERS", "BatchShape", "TraceStep", "TrainerKind", "register", "trainer_of_args"]

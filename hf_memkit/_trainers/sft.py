@@ -1,0 +1,80 @@
+"""``trl.SFTTrainer``: the fused log-prob head and SFTConfig's batch shaping.
+
+Read from ``SFTTrainer.__init__`` / ``compute_loss`` and ``DataCollatorForLanguageModeling``
+(TRL 1.16, ``trl/trainer/sft_trainer.py``):
+  * the model's head and loss are replaced by ``add_fused_lm_head`` (``fused_head``), with
+    ``outputs=("log_probs", "entropy", "is_top1")``; the loss is ``-log_probs`` summed over the
+    label positions and divided by their count; ``loss_type="dft"`` multiplies each token's loss
+    by its detached probability;
+  * ``max_length`` truncates every row: the default ``seq_len``;
+  * ``padding_free`` (or ``packing`` with the "bfd"/"bfd_split" strategy, which turns it on)
+    flattens the micro-batch into one row with ``position_ids`` and no attention mask: its
+    tokens are what the rows hold, not rows x the longest; packing fills each sequence up to
+    ``max_length``. ``pad_to_multiple_of`` rounds a padded batch's length up;
+  * ``activation_offloading`` moves saved activations to host memory on CUDA
+    (``trl/models/activation_offloading.py``): not modelled, warned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .base import BatchShape, TraceStep, TrainerKind, register
+from .fused_head import SFT_OUTPUTS, add_head, fold_context
+
+
+def _read(get: Callable[[str], Any]) -> dict[str, Any]:
+    packing = bool(get("packing"))
+    strategy = str(get("packing_strategy") or "bfd")
+    return {"max_length": get("max_length"), "packing": packing,
+            "padding_free": bool(get("padding_free")) or (
+                packing and strategy in ("bfd", "bfd_split")),
+            "loss_type": "nll" if get("loss_type") in ("nll", "chunked_nll") else
+            str(get("loss_type")),
+            "pad_to_multiple_of": get("pad_to_multiple_of"),
+            "activation_offloading": bool(get("activation_offloading"))}
+
+
+def _shape(o: Mapping[str, Any], batch: int, seq: int) -> BatchShape:
+    if o.get("padding_free"):
+        return BatchShape(1, batch * seq, packed=True)
+    m = o.get("pad_to_multiple_of")
+    return BatchShape(batch, -(-seq // m) * m if m else seq)
+
+
+class SFTStep(TraceStep):
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        self.dft = options.get("loss_type") == "dft"
+        self.packed = bool(options.get("padding_free"))
+
+    def prepare(self, model: Any, *, adapters: bool) -> None:
+        add_head(model, SFT_OUTPUTS)
+
+    def context(self, target: Any) -> Any:
+        return fold_context(target)
+
+    def loss(self, model: Any, batch: dict[str, Any], reference: Any = None) -> Any:
+        out = model(**batch, fused_lm_head=True)             # SFTTrainer.compute_loss
+        per_token = -out.log_probs
+        if self.dft:
+            per_token = per_token * out.log_probs.exp().detach()
+        return per_token.sum() / out.label_mask.sum().clamp(min=1)
+
+
+def _notes(o: Mapping[str, Any]) -> list[str]:
+    notes = ["SFTTrainer: TRL's fused log-prob head (tiles of <= 4096 tokens x 32768 vocab), "
+             "not the model's logits and loss"]
+    if o.get("padding_free"):
+        notes.append("padding-free: the micro-batch is one row of micro_batch x seq_len tokens "
+                     "(seq_len: the mean row length, or max_length when packing)")
+    return notes
+
+
+register(TrainerKind(
+    "sft", title="SFTTrainer", config_class="trl.SFTConfig", extra="trl", read=_read,
+    fields=("max_length", "packing", "packing_strategy", "padding_free", "loss_type",
+            "pad_to_multiple_of", "activation_offloading"),
+    seq_len=lambda o: o.get("max_length"), shape=_shape, step=SFTStep, notes=_notes,
+    unmodelled=lambda o: ["activation_offloading: TRL moves saved activations to host memory"]
+    if o.get("activation_offloading") else []))
