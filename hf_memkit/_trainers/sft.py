@@ -67,7 +67,8 @@ def _notes(o: Mapping[str, Any]) -> list[str]:
              "not the model's logits and loss"]
     if o.get("padding_free"):
         notes.append("padding-free: the micro-batch is one row of micro_batch x seq_len tokens "
-                     "(seq_len: the mean row length, or max_length when packing)")
+                     "(seq_len: the mean row length; packing: full bins of max_length, an upper "
+                     "bound when the bins are not full)")
     return notes
 
 
