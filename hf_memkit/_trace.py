@@ -369,7 +369,8 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
                padded: bool = False, loss: str = "labels",
                hooks: Sequence[Callable[..., None]] = (),
                forward_only: bool = False, target: CudaTarget | None = None,
-               trainer: Any = None, reference: str | None = None) -> TraceResult:
+               trainer: Any = None, reference: str | None = None,
+               packed: bool = False) -> TraceResult:
     """Peak bytes of one forward(+loss+backward) of ``config`` on fake tensors.
 
     ``hooks``: the setup's techniques, ``hook(model, stage=, adapters=, target=)`` on the fake
@@ -383,12 +384,12 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
     benchmarks do (shared/anchors note_sdpa_training_benchmark_script). ``trainer``: a
     ``_trainers.TraceStep`` whose loss replaces the model's (TRL's fused head); ``reference``
     "copy": a frozen copy of the model serves as its reference (DPO), held with the weights.
+    ``packed``: padding-free rows (sequence boundaries in ``position_ids``).
     """
     if loss not in ("labels", "logits_sum"):
         raise HfMemkitError(f"loss must be 'labels' or 'logits_sum', got {loss!r}")
     require_tracing()
     t0 = time.perf_counter()
-    packed = bool(getattr(trainer, "packed", False))
     fm = FakeTensorMode(allow_non_fake_inputs=False)
     model, ref = _models(model_cls, config, fm=fm, attn_implementation=attn_implementation,
                          dtype=dtype, lora=lora, hooks=hooks, stage=stage, target=target,

@@ -82,7 +82,7 @@ def trace_excess(spec: ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: 
               target_len=target_len, padded=padded or shape.padded,
               hooks=technique_hooks(setup), forward_only=forward_only, target=target,
               trainer=kind.step(options) if kind.step else None,
-              reference=kind.reference(options, spec.lora is not None))
+              reference=kind.reference(options, spec.lora is not None), packed=shape.packed)
 
     def excess(n: int):
         cfg = spec.config if n == full else with_layers(spec.config, n)

@@ -152,7 +152,7 @@ def _train_phases(ex: Excess, xp: dict[str, int], rs: RankStates) -> dict[str, i
 
 
 def _step(spec: ModelSpec, trace_spec: ModelSpec, setup: TrainingSetup, ex: Excess,
-          rs: RankStates, stage: str) -> _Step:
+          rs: RankStates, stage: str, ref: int = 0) -> _Step:
     xp = dict(ex.phases)
     trainable = spec.states()[1]
     # gradients made during the backward are reduce-scattered layer by layer: one rank keeps
@@ -177,7 +177,6 @@ def _step(spec: ModelSpec, trace_spec: ModelSpec, setup: TrainingSetup, ex: Exce
     else:
         phases = {"eval forward": rs.weights + ex.inputs + rs.optimizer + rs.buckets
                   + rs.gathered_forward + xp["eval"]}
-    ref = reference_bytes(spec, setup)
     return _Step({k: v + ref for k, v in phases.items()}, ex, rs, grad_factor, G_acc, ref)
 
 
@@ -266,7 +265,7 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
         ex = cache.excess(trace_spec, trace_setup, exact=exact, **kw)
     # QLoRA's dequantisation temporaries are traced (_trace.SimLinear4bit); an 8-bit base is
     # traced as frozen linears of the load dtype.
-    step = _step(spec, trace_spec, setup, ex, rs, stage)
+    step = _step(spec, trace_spec, setup, ex, rs, stage, ref)
     if stage == "eval":
         notes += _eval_logits_note(spec, setup, seq_len, target_len)
     phase = max(step.phases, key=lambda k: step.phases[k])

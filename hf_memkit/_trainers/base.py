@@ -40,8 +40,6 @@ class TraceStep:
 
     The default is ``transformers.Trainer``: the model's own loss from ``labels``."""
 
-    packed = False
-
     def prepare(self, model: Any, *, adapters: bool) -> None:
         """Patch the fake (base) model as the trainer does before training."""
 
@@ -89,6 +87,18 @@ class TrainerKind:
             raise HfMemkitError(
                 f"trainer={self.name!r} ({self.title}) needs {module}, which is not installed "
                 f"({exc}); pip install 'hf-memkit[{self.extra}]'") from exc
+
+
+def padded_length(o: Mapping[str, Any], seq: int) -> int:
+    """``seq`` rounded up to the config's ``pad_to_multiple_of`` (its collators pad so)."""
+    m = o.get("pad_to_multiple_of")
+    return -(-seq // m) * m if m else seq
+
+
+def offload_unmodelled(o: Mapping[str, Any]) -> list[str]:
+    """TRL's ``activation_offloading`` (saved tensors to host memory): warned, not modelled."""
+    return ["activation_offloading: TRL moves saved activations to host memory"] \
+        if o.get("activation_offloading") else []
 
 
 TRAINERS: Registry[TrainerKind] = Registry(

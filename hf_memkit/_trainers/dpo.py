@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .base import BatchShape, TraceStep, TrainerKind, register
+from .base import BatchShape, TraceStep, TrainerKind, offload_unmodelled, padded_length, register
 from .fused_head import DPO_OUTPUTS, add_head, fold_context
 
 
@@ -36,8 +36,7 @@ def _read(get: Callable[[str], Any]) -> dict[str, Any]:
 
 
 def _shape(o: Mapping[str, Any], batch: int, seq: int) -> BatchShape:
-    m = o.get("pad_to_multiple_of")
-    return BatchShape(2 * batch, -(-seq // m) * m if m else seq, padded=True)
+    return BatchShape(2 * batch, padded_length(o, seq), padded=True)
 
 
 def reference(o: Mapping[str, Any], adapters: bool) -> str | None:
@@ -92,6 +91,4 @@ register(TrainerKind(
     fields=("max_length", "precompute_ref_log_probs", "use_weighting", "pad_to_multiple_of",
             "padding_free", "activation_offloading", "loss_type"),
     seq_len=lambda o: o.get("max_length"), shape=_shape, step=DPOStep, reference=reference,
-    notes=_notes,
-    unmodelled=lambda o: ["activation_offloading: TRL moves saved activations to host memory"]
-    if o.get("activation_offloading") else []))
+    notes=_notes, unmodelled=offload_unmodelled))

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .base import BatchShape, TraceStep, TrainerKind, register
+from .base import BatchShape, TraceStep, TrainerKind, offload_unmodelled, padded_length, register
 from .fused_head import SFT_OUTPUTS, add_head, fold_context
 
 
@@ -39,14 +39,12 @@ def _read(get: Callable[[str], Any]) -> dict[str, Any]:
 def _shape(o: Mapping[str, Any], batch: int, seq: int) -> BatchShape:
     if o.get("padding_free"):
         return BatchShape(1, batch * seq, packed=True)
-    m = o.get("pad_to_multiple_of")
-    return BatchShape(batch, -(-seq // m) * m if m else seq)
+    return BatchShape(batch, padded_length(o, seq))
 
 
 class SFTStep(TraceStep):
     def __init__(self, options: Mapping[str, Any]) -> None:
         self.dft = options.get("loss_type") == "dft"
-        self.packed = bool(options.get("padding_free"))
 
     def prepare(self, model: Any, *, adapters: bool) -> None:
         add_head(model, SFT_OUTPUTS)
@@ -77,5 +75,4 @@ register(TrainerKind(
     fields=("max_length", "packing", "packing_strategy", "padding_free", "loss_type",
             "pad_to_multiple_of", "activation_offloading"),
     seq_len=lambda o: o.get("max_length"), shape=_shape, step=SFTStep, notes=_notes,
-    unmodelled=lambda o: ["activation_offloading: TRL moves saved activations to host memory"]
-    if o.get("activation_offloading") else []))
+    unmodelled=offload_unmodelled))
