@@ -174,3 +174,75 @@ def test_step_temporaries_match_memtracker(name, module, args, dtype, tmp_path):
             opt.step()
     extra = mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - start
     assert _predicted(dtype, **args).transient == pytest.approx(extra, rel=0.01)
+
+
+# ----------------------------------------------------------------------------------------------
+# the planner's 8-bit rung: bitsandbytes' AdamW, else torchao's (issue 14, item 5)
+# ----------------------------------------------------------------------------------------------
+
+def _install_torchao(root, monkeypatch, version="0.16.0"):
+    """A torchao distribution on ``sys.path`` (its metadata and a package whose import fails, so
+    that planning is seen not to import it). torchao is not installed on this machine."""
+    pkg = root / "torchao"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise ImportError('hf_memkit imported torchao')\n")
+    info = root / f"torchao-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torchao\nVersion: {version}\n")
+    monkeypatch.syspath_prepend(str(root))
+
+
+@pytest.fixture
+def without_bitsandbytes(monkeypatch):
+    """bitsandbytes made unimportable (``sys.modules[name] = None`` is what ``import`` and
+    ``find_spec`` read as absent), with hf_memkit's cached lookup cleared around the test."""
+    import sys
+
+    from hf_memkit._compat import _has
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    _has.cache_clear()
+    yield
+    monkeypatch.undo()
+    _has.cache_clear()
+
+
+def test_planner_searches_torchao_8bit_when_bitsandbytes_is_absent(
+        tmp_path, monkeypatch, without_bitsandbytes):
+    import sys
+
+    from hf_memkit._optimizers import planner_optimizers
+
+    # neither 8-bit library: no 8-bit rung
+    for kind in ("cpu", "cuda"):
+        assert not {"adamw_bnb_8bit", "adamw_torch_8bit"} & set(planner_optimizers(kind))
+    _install_torchao(tmp_path, monkeypatch)
+    cpu, cuda, mps = (planner_optimizers(k) for k in ("cpu", "cuda", "mps"))
+    assert "adamw_torch_8bit" in cpu and "adamw_torch_8bit" in cuda
+    assert "adamw_bnb_8bit" not in cpu + cuda
+    assert "adamw_torch_8bit" not in mps              # torchao tests CPU and CUDA only
+    # the rung sits where bitsandbytes' did: after fused AdamW, before Adafactor
+    assert cpu.index("adamw_torch_fused") < cpu.index("adamw_torch_8bit") < cpu.index("adafactor")
+    assert "adamw_torch_4bit" not in cpu + cuda       # only when pinned
+    assert "torchao" not in sys.modules               # found, never imported
+
+
+def test_planner_skips_a_torchao_older_than_transformers_requires(
+        tmp_path, monkeypatch, without_bitsandbytes):
+    from transformers.utils.import_utils import TORCHAO_MIN_VERSION
+
+    from hf_memkit._optimizers import planner_optimizers
+
+    major, minor, *_ = TORCHAO_MIN_VERSION.split(".")
+    _install_torchao(tmp_path, monkeypatch, version=f"{major}.{int(minor) - 1}.0")
+    assert "adamw_torch_8bit" not in planner_optimizers("cpu")
+
+
+def test_planner_never_searches_both_8bit_adamws(tmp_path, monkeypatch):
+    from hf_memkit._optimizers import planner_optimizers
+
+    require("bitsandbytes")                          # installed here: it wins
+    _install_torchao(tmp_path, monkeypatch)
+    for kind in ("cpu", "cuda"):
+        found = planner_optimizers(kind)
+        assert "adamw_bnb_8bit" in found and "adamw_torch_8bit" not in found

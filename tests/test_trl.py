@@ -162,3 +162,27 @@ def test_plan_for_sft_applies_onto_a_users_sft_config():
     assert out.max_length == 256 == built.max_length
     assert out.per_device_train_batch_size == plan.training_args_kwargs[
         "per_device_train_batch_size"]
+
+
+def test_sft_tile_buffer_wider_than_the_vocabulary_is_counted_whole():
+    """TRL's CPU fused head allocates a [tokens, 32768] tile buffer and writes only
+    [tokens, vocab] of it: with a 16000-entry vocabulary about half its pages are never written,
+    so RSS missed them (the estimate was 5% over) while the tensor is allocated whole, as CUDA's
+    allocator and torch's MemTracker count it. The ground truth now writes every allocation
+    (``MALLOC_PERTURB_``); without it the run reads short by about those unwritten pages."""
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=16000,
+                      tie_word_embeddings=True)
+    args = dict(per_device_train_batch_size=2, max_length=256, gradient_checkpointing=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        e = mk.estimate_memory(cfg, args, device="cpu", trainer="sft")
+    spec = {"config": cfg.to_dict(), "args": args, "seq_len": 256, "trainer": "sft"}
+    m = measure_trainer_peak(spec)
+    assert abs(e.peak_allocated / m["peak"] - 1) < 0.01
+    rss_only = measure_trainer_peak({**spec, "touch_pages": False})
+    tokens = 2 * 255                                   # labels shifted by one
+    unwritten = tokens * (32768 - cfg.vocab_size) * 2  # bf16 tile columns past the vocabulary
+    assert 0.8 * unwritten < m["peak"] - rss_only["peak"] < 1.1 * unwritten

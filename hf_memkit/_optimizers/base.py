@@ -10,6 +10,10 @@ file of this package:
   * ``accelerate_class`` / ``accelerate_kwargs``: what ``Plan.accelerator_kwargs`` hands a custom
     accelerate loop;
   * ``plan_on``: the device kinds on which the planner may pick it (empty: only when pinned);
+  * ``stands_in_for``: another optimizer it replaces in the planner's search only where that one
+    is not available there (torchao's 8-bit AdamW when bitsandbytes is absent: never both);
+  * ``requires``: a check, beyond ``needs`` being importable, that the Trainer can build it
+    (a minimum version); it must not import the package;
   * ``shardable``: whether it steps FSDP2 DTensor shards and DeepSpeed partitions.
 Sources are cited per entry: the optimizer's own ``step`` code in the installed library.
 """
@@ -83,9 +87,13 @@ class OptimizerProfile:
     accelerate_kwargs: dict[str, Any] = field(default_factory=dict)
     plan_on: tuple[str, ...] = ()          # device kinds the planner searches it on
     shardable: bool = False                # steps FSDP2 / DeepSpeed shards
+    stands_in_for: str | None = None       # planned only where that optimizer is not
+    requires: Callable[[], bool] | None = None  # e.g. a version check (never an import)
 
     def available(self) -> bool:
-        return self.needs != "bitsandbytes" or is_bitsandbytes_available()
+        if self.needs == "bitsandbytes" and not is_bitsandbytes_available():
+            return False
+        return self.requires is None or self.requires()
 
     def accelerate_recipe(self) -> dict[str, Any]:
         return {"class": self.accelerate_class or self.name, "kwargs": dict(self.accelerate_kwargs)}
@@ -124,10 +132,16 @@ def get_optimizer_profile(name: str) -> OptimizerProfile:
     return _REGISTRY[key]
 
 
+def _planned(p: OptimizerProfile, device_kind: str) -> bool:
+    return device_kind in p.plan_on and p.available()
+
+
 def planner_optimizers(device_kind: str) -> list[str]:
-    """The optimizers the planner searches on ``device_kind``, cheapest step first."""
-    found = [p for name, p in _REGISTRY.items()
-             if name == p.name and device_kind in p.plan_on and p.available()]
+    """The optimizers the planner searches on ``device_kind``, cheapest step first. A stand-in
+    (``stands_in_for``) is searched only where the optimizer it replaces is not."""
+    found = [p for name, p in _REGISTRY.items() if name == p.name and _planned(p, device_kind)
+             and not (p.stands_in_for in _REGISTRY
+                      and _planned(_REGISTRY[p.stands_in_for], device_kind))]
     return [p.name for p in sorted(found, key=lambda p: p.step_cost)]
 
 

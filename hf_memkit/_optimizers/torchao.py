@@ -22,12 +22,34 @@ time, so the transient is the largest over params. On CUDA the graph is compiled
 instead; not measured here, the CPU figure is used there too.
 Note: a ``block_size`` given in ``optim_args`` reaches torchao as a string (transformers does not
 convert it) and the first step fails; it is read here as the integer it was meant to be.
+
+Availability: transformers (``trainer_optimizer._get_torchao_optimizer``) raises unless
+``is_torchao_available()``, i.e. torchao >= ``transformers.utils.import_utils.TORCHAO_MIN_VERSION``
+(0.15.0 in transformers 5.23); it asks for no CUDA. ``torchao_usable`` checks the same without
+importing torchao (its import prints notices under torch 2.13).
+
+The planner's 8-bit rung where bitsandbytes is absent (``stands_in_for="adamw_bnb_8bit"``: never
+both). Devices: torchao's optim README says the optimizers are tested on CPU and CUDA only ("there
+might be bugs or errors on other platforms"); the step is ``torch.compile``d (a C++ compiler on
+CPU, Triton on CUDA), nothing in ``_AdamBase.step`` is device-specific. So ``plan_on`` is CUDA and
+CPU, not MPS. ``step_cost`` (bytes moved per param, fp32 params, vs fused AdamW's 28 B): the
+compiled ``single_param_adam`` reads p, g (4 + 4) and the two code tensors (1 + 1), writes the two
+fp32 moments that the blockwise absmax needs whole before quantising (8 B; the 8 B/element step
+transient measured above) and reads them back (8), then writes p and the codes (4 + 2): 32 B,
+1.14 x fused AdamW, plus an 8-step binary search over the qmap per moment element (the
+arithmetic bitsandbytes' fully fused kernel also does, for 16 B, and its entry prices at 1.2) and
+one compiled call per param tensor instead of a multi-tensor launch: 1.3, just above
+bitsandbytes' 1.2 (not timed on a GPU here).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
+
+from packaging.version import InvalidVersion, Version
 
 from .base import STEP_TENSOR, OptimizerMemory, OptimizerProfile, register
 
@@ -38,6 +60,21 @@ MIN_QUANT_NUMEL = 4096
 DEFAULT_BLOCK = 256          # transformers' default for both 8-bit and 4-bit
 # bits -> (code bytes per element, qmap entries, CPU step bytes per element of a quantized param)
 _LAYOUT = {8: (1.0, 256, 8), 4: (0.5, 16, 26)}
+
+
+def torchao_usable() -> bool:
+    """torchao importable and as new as the installed transformers requires, found without
+    importing it (its metadata only)."""
+    if importlib.util.find_spec("torchao") is None:
+        return False
+    try:
+        from transformers.utils.import_utils import TORCHAO_MIN_VERSION as minimum
+    except ImportError:  # a transformers without the constant: 5.23's value
+        minimum = "0.15.0"
+    try:
+        return Version(importlib.metadata.version("torchao")) >= Version(minimum)
+    except (importlib.metadata.PackageNotFoundError, InvalidVersion):
+        return False
 
 
 def quantized(p: ParamInfo, block: int) -> bool:
@@ -62,9 +99,13 @@ def _low_bit(bits: int) -> Callable[[Sequence[ParamInfo], OptimizerContext], Opt
     return estimate
 
 
+# the 8-bit one is planned (see the module docstring); the 4-bit one only when pinned
+_PLANNED = {8: dict(step_cost=1.3, plan_on=("cuda", "cpu"), stands_in_for="adamw_bnb_8bit"),
+            4: {}}
 for _bits in (8, 4):
     register(OptimizerProfile(
         f"adamw_torch_{_bits}bit", _low_bit(_bits),
         f"torchao/optim/adam.py _AdamBase._new_buffer + subclass_{_bits}bit.py zeros",
         "torchao", accelerate_class=f"torchao.optim.AdamW{_bits}bit",
-        accelerate_kwargs={"block_size": DEFAULT_BLOCK, "bf16_stochastic_round": False}))
+        accelerate_kwargs={"block_size": DEFAULT_BLOCK, "bf16_stochastic_round": False},
+        requires=torchao_usable, **_PLANNED[_bits]))

@@ -4,6 +4,14 @@ Never used by the estimator; used to check it (tests, ``bench/estimator_cpu.py``
 planner benchmark. Method:
   * the run happens in a child process started with ``MALLOC_MMAP_THRESHOLD_=65536``, so every
     tensor of 64 KiB or more is its own mapping and RSS tracks live tensor bytes;
+  * and with ``MALLOC_PERTURB_`` set, so glibc writes every allocation when it is made: RSS
+    counts only pages that were written, and a tensor allocated but only partly written would
+    otherwise read short. TRL's CPU fused head is one: ``ChunkedLogProbFunction`` allocates a
+    ``[tokens, 32768]`` tile buffer and writes only ``[tokens, vocab]`` of it, so with Qwen2's
+    16000-entry vocabulary half its pages were never resident (-32 MiB, 5% of that step, where
+    torch's MemTracker on the same run counts the whole buffer, as CUDA's allocator does).
+    Each allocation is written once more (a memset); ``spec["touch_pages"] = False`` turns it
+    off for throughput-only runs;
   * a callback opens a window at each ``on_step_begin``: it adds up the distinct CPU tensor
     storages alive (weights, optimizer state from step 2, prefetched batches), reads ``VmRSS`` and
     resets ``VmHWM`` through ``/proc/self/clear_refs``; at ``on_step_end`` (after the optimizer
@@ -35,13 +43,16 @@ def measure_trainer_peak(spec: dict[str, Any], *, timeout: float = 900.0) -> dic
     ``spec``: ``config`` (``PretrainedConfig.to_dict()``), ``task``, ``args`` (TrainingArguments
     fields), ``seq_len``, optional ``steps`` (3), ``dtype`` ("float32"), ``attn_implementation``,
     ``lora`` (LoraConfig kwargs), ``quantization`` (BitsAndBytesConfig kwargs), ``target_len``,
-    ``trainer`` ("sft" / "dpo": a TRL trainer, its data as ``groundtruth_trl`` describes).
+    ``trainer`` ("sft" / "dpo": a TRL trainer, its data as ``groundtruth_trl`` describes),
+    ``touch_pages`` (True: see the module docstring).
     Returns ``{"peak": bytes, "steps": [...], "param_bytes": ...}``.
     """
     env = dict(os.environ)
     env.update(MALLOC_MMAP_THRESHOLD_="65536", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
                TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
     env.setdefault("OMP_NUM_THREADS", "2")
+    if spec.get("touch_pages", True):  # count allocated-but-unwritten tensor pages (docstring)
+        env["MALLOC_PERTURB_"] = "85"
     proc = subprocess.run([sys.executable, "-m", "hf_memkit.testing.groundtruth",
                            json.dumps(spec)],
                           env=env, capture_output=True, text=True, timeout=timeout)
