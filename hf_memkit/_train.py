@@ -349,12 +349,12 @@ def train_recipe(recipe: Recipe, *, plan: Any = None, output_dir: str | None = N
 
     ``output_dir`` / ``max_steps`` / ``pins`` override the recipe. ``progress_console``: a rich
     ``Console`` for a progress bar (None: no bar)."""
-    from transformers import PrinterCallback, ProgressCallback, Trainer
+    from transformers import PrinterCallback, ProgressCallback
 
     from ._callbacks import MemoryCallback, ThroughputCallback
     from ._model import normalize_task
-    from ._oom import OOMGuardTrainer
     from ._rss import set_mmap_threshold
+    from ._train_trl import check_trl_trainable, make_trainer
 
     set_mmap_threshold()  # before the model's tensors exist: CPU readings track tensor bytes
     where = recipe.source or "recipe"
@@ -367,6 +367,7 @@ def train_recipe(recipe: Recipe, *, plan: Any = None, output_dir: str | None = N
         plan = plan_recipe(recipe)
     config = recipe.model_config()
     task = normalize_task(recipe.task, config)
+    check_trl_trainable(recipe, task)   # trainer: sft / dpo (_train_trl)
     out = output_dir or recipe.output_dir or os.path.join("outputs", recipe.name)
     steps = recipe.pins.get("max_steps", -1)
     n = recipe.num_samples or (steps * recipe.target_batch_size if steps and steps > 0 else 256)
@@ -392,9 +393,8 @@ def train_recipe(recipe: Recipe, *, plan: Any = None, output_dir: str | None = N
     memory = MemoryCallback(plan) if "memory" in recipe.callbacks else None
     callbacks = [cb for cb in (memory, ThroughputCallback(plan.device)
                                if "throughput" in recipe.callbacks else None) if cb is not None]
-    trainer_cls = OOMGuardTrainer if "oom_guard" in recipe.callbacks else Trainer
-    trainer = trainer_cls(model=model, args=args, train_dataset=data, data_collator=collator,
-                          processing_class=tokenizer, callbacks=callbacks)
+    trainer = make_trainer(recipe, model=model, args=args, train_dataset=data,
+                           data_collator=collator, processing_class=tokenizer, callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)   # the summary and the progress bar replace them
     trainer.remove_callback(ProgressCallback)
     if progress_console is not None:
@@ -443,7 +443,7 @@ def with_pins(recipe: Recipe, pins: dict[str, Any]) -> Recipe:
 
     c = Checker("command line")
     # checked against the recipe's device too: fp16=true on a CPU recipe is bad input here
-    checked = check_pins(dict(pins), c, dev=resolve_device(recipe.device))
+    checked = check_pins(dict(pins), c, dev=resolve_device(recipe.device), trainer=recipe.trainer)
     if c.problems:
         raise ConfigError(c.problems, source="command line")
     return dataclasses.replace(recipe, pins={**recipe.pins, **checked})

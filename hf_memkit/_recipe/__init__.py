@@ -30,7 +30,8 @@ optional; ``Recipe.schema()`` gives the same table with defaults)::
       num_gpus: 1
       max_memory: 20GiB         # explicit budget (overrides the device's)
       headroom: 0.1             # fraction of device memory kept free
-    pins: {learning_rate: 2.0e-4, max_steps: 100}   # any TrainingArguments field
+    trainer: trainer            # trainer | sft (TRL's SFTTrainer) | dpo (DPOTrainer)
+    pins: {learning_rate: 2.0e-4, max_steps: 100}   # any field of the trainer's config
     callbacks: [memory, throughput]                 # and/or oom_guard (OOMGuardTrainer)
     output_dir: outputs/my-run
 
@@ -38,7 +39,8 @@ Relative paths in ``model``/``data`` are relative to the recipe file; ``output_d
 relative to the working directory.
 
 Modules: ``schema`` (``Recipe``, its key table), ``load`` (``load_recipe``, bundled recipes),
-``validate`` (``Checker``, one check per section, ``check_pins``).
+``validate`` (``Checker``, one check per section, ``check_pins``), ``fields`` (a trainer's config
+fields typed and checked: recipe pins and the command line's FIELD=VALUE).
 """
 
 from __future__ import annotations

@@ -57,6 +57,11 @@ class Recipe:
                             "(sequence-classification)", "label")
     method: str = _key("training.method", "auto (full fine-tuning whenever it fits, else LoRA, "
                        "LoRA on an 8-bit base, QLoRA) | full | lora | qlora", "auto")
+    trainer: str = _key("trainer", "trainer (transformers.Trainer) | sft (TRL's SFTTrainer: "
+                        "its fused log-prob head instead of the logits) | dpo (DPOTrainer: "
+                        "chosen + rejected rows and a reference model); pins may then set "
+                        "that config's fields (SFTConfig / DPOConfig: packing, max_length, ...)",
+                        "trainer")
     device: str | None = _key("hardware.device", "catalog GPU to plan for (hf-memkit devices), "
                               "'cpu', or omitted for this machine", None)
     num_gpus: int = _key("hardware.num_gpus", "GPUs (data-parallel ranks); the effective batch "
@@ -74,7 +79,9 @@ class Recipe:
     cuda_version: str | None = _key("hardware.cuda_version", "the target's CUDA, e.g. '12.8' "
                                     "(default: the installed torch's); decides the context",
                                     None)
-    pins: dict[str, Any] = _key("pins", "TrainingArguments fields that override the planner "
+    pins: dict[str, Any] = _key("pins", "fields of the trainer's config (TrainingArguments; "
+                                "SFTConfig / DPOConfig with trainer: sft / dpo) that override "
+                                "the planner "
                                 "(e.g. optim, activation_checkpointing) or just set (max_steps, "
                                 "learning_rate, logging_steps)", {})
     callbacks: list[str] = _key("callbacks", "memory (MemoryCallback: memory logs, "
@@ -124,7 +131,7 @@ class Recipe:
                   headroom=None if self.max_memory is not None else self.headroom,
                   max_memory=self.max_memory, task=self.task, num_nodes=self.num_nodes,
                   engine=self.engine, host_memory=self.host_memory,
-                  cuda_version=self.cuda_version, **self.pins)
+                  cuda_version=self.cuda_version, trainer=self.trainer, **self.pins)
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return kw
 

@@ -145,7 +145,7 @@ def validate(raw: dict, file: Path, where: str) -> Recipe:
         if st.flat.get(key) is None:
             c.add(key, "required" + hint)
     for section in (_model_section, _data_section, _training_section, _hardware_section,
-                    _pins_section, _outputs_section, check_request):
+                    _trainer_section, _pins_section, _outputs_section, check_request):
         section(st)
     if c.problems:
         raise ConfigError(c.problems, source=where)
@@ -363,12 +363,42 @@ def _hardware_size(st: _State, key: str, example: str) -> None:
                                     f"{_describe(v)}")
 
 
-# -- pins -------------------------------------------------------------------------------------
+# -- trainer, pins ----------------------------------------------------------------------------
+
+def _trainer_section(st: _State) -> None:
+    """``trainer``: a registered trainer (``_trainers.TRAINERS``) whose config is installed."""
+    v = st.flat.get("trainer")
+    if v is None:
+        return
+    from .._trainers import TRAINERS, trainer_of_args
+    from .._trainers.detect import NOT_MODELLED
+
+    allowed = ", ".join(f"{k.name} ({k.title})" for k in TRAINERS)
+    if not isinstance(v, str) or not v:
+        st.c.add("trainer", f"expected one of {allowed}, got {_describe(v)}")
+        return
+    try:
+        name = trainer_of_args(None, v)
+    except HfMemkitError as exc:   # TRL's GRPO, RLOO, ... are refused by name
+        refused = v.lower().replace("-", "_") in NOT_MODELLED
+        st.c.add("trainer", str(exc) if refused else f"unknown trainer {v!r}"
+                 f"{did_you_mean(v, TRAINERS.names())}; allowed: {allowed}")
+        return
+    try:
+        TRAINERS.get(name).config_type()  # its package is installed (pip install hint)
+    except HfMemkitError as exc:
+        st.c.add("trainer", str(exc))
+        return
+    st.kw["trainer"] = name
+
 
 def _pins_section(st: _State) -> None:
     pins = st.flat.get("pins")
-    if pins is not None and st.c.mapping("pins", pins) is not None:
-        st.kw["pins"] = check_pins(dict(pins), st.c, dev=st.dev)
+    if pins is None or st.c.mapping("pins", pins) is None:
+        return
+    if "trainer" in st.flat and "trainer" not in st.kw:
+        return   # the trainer is wrong: its config's fields cannot be checked
+    st.kw["pins"] = check_pins(dict(pins), st.c, dev=st.dev, trainer=st.kw.get("trainer"))
 
 
 # -- what plan_training checks (PlanRequest.problems, written once) ---------------------------
@@ -389,7 +419,8 @@ def check_request(st: _State) -> None:
     req = PlanRequest(seq_len=kw.get("seq_len"), target_batch_size=kw.get("target_batch_size"),
                       num_gpus=st.gpus, method=kw.get("method", "auto"),
                       engine=kw.get("engine", "auto"), num_nodes=kw.get("num_nodes"),
-                      constraints=dict(kw.get("pins", {})), partial=True)
+                      constraints=dict(kw.get("pins", {})), partial=True,
+                      trainer=kw.get("trainer"))
     for p in req.problems():   # any problem fails the whole recipe (validate raises)
         st.c.add(REQUEST_KEYS.get(p.field, f"pins.{p.field}"), p.under_key)
 

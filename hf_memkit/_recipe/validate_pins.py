@@ -1,5 +1,6 @@
-"""``pins``: TrainingArguments fields a recipe (or the command line) sets; ``check_pins`` keeps the
-known ones and reports the rest to a ``Checker``."""
+"""``pins``: fields of the trainer's config (``TrainingArguments``, or ``SFTConfig`` / ``DPOConfig``
+for a recipe's ``trainer: sft`` / ``dpo``) that a recipe (or the command line) sets;
+``check_pins`` keeps the known ones and reports the rest to a ``Checker``."""
 
 from __future__ import annotations
 
@@ -16,13 +17,17 @@ if TYPE_CHECKING:
 _OWNED_PINS = {"output_dir": "output_dir"}
 
 
-def check_pins(pins: dict[str, Any], c: Checker, *, dev: Any) -> dict[str, Any]:
-    """The known ``TrainingArguments`` pins of ``pins``; every problem goes to ``c``: unknown
-    fields, values ``TrainingArguments`` rejects and precision the device lacks. (A micro-batch
-    or accumulation that does not fit the target batch: ``PlanRequest``.)"""
-    from .._setup import check_field, normalize_args, training_args_fields
+def check_pins(pins: dict[str, Any], c: Checker, *, dev: Any,
+               trainer: str | None = None) -> dict[str, Any]:
+    """The known pins of ``pins``: fields of ``trainer``'s config class (None: the plain
+    ``TrainingArguments``). Every problem goes to ``c``: unknown fields, values the config
+    rejects and precision the device lacks. (A micro-batch or accumulation that does not fit
+    the target batch: ``PlanRequest``.)"""
+    from .._setup import normalize_args
+    from .fields import check_config_field, config_class, config_field_names
 
-    fields = training_args_fields()
+    cls = config_class(trainer)
+    fields = config_field_names(cls)
     known = {}
     for k, v in pins.items():
         k = str(k)
@@ -32,16 +37,16 @@ def check_pins(pins: dict[str, Any], c: Checker, *, dev: Any) -> dict[str, Any]:
             hint = did_you_mean(k, fields)
             if not hint and k in {key.split(".")[-1] for key in FIELDS}:
                 hint = f" (did you mean the recipe key `{leaf_key(k)}`?)"
-            c.add(f"pins.{k}", f"not a TrainingArguments field{hint}")
+            c.add(f"pins.{k}", f"not a {cls.__name__} field{hint}")
         else:
             try:  # by the field's type and range: learning_rate: abc, max_steps: 0
-                known[k] = check_field(k, v)
+                known[k] = check_config_field(cls, k, v)
             except HfMemkitError as exc:
                 c.add(f"pins.{k}", str(exc))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            normalize_args(known, source="pins")
+            normalize_args(known, source="pins", trainer=trainer)
         except ConfigError as exc:
             for p in exc.problems:
                 c.add("pins", p)

@@ -41,10 +41,23 @@ def positive_int(text: str) -> int:
     return v
 
 
+class Field(tuple):
+    """A parsed ``FIELD=VALUE``: the pair ``(field, value)``, keeping the text as given
+    (``text``) so that ``--trainer``'s config class can type its own fields again."""
+
+    text: str
+
+    def __new__(cls, key: str, value: object, text: str) -> Field:
+        self = super().__new__(cls, (key, value))
+        self.text = text
+        return self
+
+
 def parse_field(text: str) -> tuple[str, object]:
     """``FIELD=VALUE`` -> (field, value). A bool/int/float ``TrainingArguments`` field's value is
     parsed by the field's type (``bf16=False`` is False: true/false, 1/0, yes/no); other values
-    are read as JSON (``fsdp_config={...}``), else kept as text."""
+    are read as JSON (``fsdp_config={...}``), else kept as text (``trainer_fields`` then types
+    a TRL config's own fields)."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise FieldError(f"expected FIELD=VALUE (a TrainingArguments field, e.g. bf16=true or "
@@ -53,13 +66,70 @@ def parse_field(text: str) -> tuple[str, object]:
 
     if key in training_args_types():
         try:
-            return key, check_field(key, value)
+            return Field(key, check_field(key, value), text)
         except HfMemkitError as exc:
             raise FieldError(f"{text}: {exc}") from None
     try:
-        return key, json.loads(value)
+        return Field(key, json.loads(value), text)
     except json.JSONDecodeError:
-        return key, value
+        return Field(key, value, text)
+
+
+def trainer_option(text: str | None) -> str | None:
+    """``--trainer``: a registered trainer (``trainer``, ``sft``, ``dpo``) whose config class is
+    installed, else ``HfMemkitError`` (exit 2): TRL's GRPO, RLOO, ... are refused by name, a
+    missing TRL says how to install it."""
+    if text is None:
+        return None
+    from .._recipe.fields import config_class
+    from .._trainers import trainer_of_args
+
+    try:
+        config_class(text)
+    except HfMemkitError as exc:
+        raise HfMemkitError(f"--trainer {text}: {exc}") from None
+    return trainer_of_args(None, text)
+
+
+def trainer_fields(fields: list, trainer: str | None, *, also: tuple[str, ...] = ()) -> dict:
+    """``fields`` (parsed ``FIELD=VALUE``) typed and checked by ``trainer``'s config class
+    (``SFTConfig``, ``DPOConfig``): unknown fields, values of the wrong type or out of range are
+    reported together (exit 2). ``also``: names the command takes besides the config's
+    (``micro_batch``). The plain Trainer's fields stay as parsed (``estimate_memory`` checks
+    them)."""
+    if trainer in (None, "trainer"):
+        return dict(fields)
+    from .._errors import ConfigError
+    from .._recipe.fields import check_config_field, config_class
+
+    cls = config_class(trainer)
+    out, problems = {}, []
+    for f in fields:
+        key, value = f
+        text = getattr(f, "text", f"{key}={value}")
+        if key in also:
+            out[key] = value
+            continue
+        try:
+            out[key] = check_config_field(cls, key, value, raw=text.partition("=")[2])
+        except HfMemkitError as exc:
+            problems.append(f"{text}: {exc}")
+    if len(problems) == 1:
+        raise HfMemkitError(problems[0])
+    if problems:
+        raise ConfigError(problems, source="the command line")
+    return out
+
+
+def seq_len_or_max_length(seq_len: int | None, fields: dict, trainer: str | None) -> int | None:
+    """``--seq-len``, which a TRL trainer's ``max_length=N`` may stand for (None: the API reads
+    it from the fields); without either, ``HfMemkitError`` saying what to give."""
+    if seq_len is not None:
+        return seq_len
+    if trainer not in (None, "trainer") and fields.get("max_length") is not None:
+        return None
+    raise HfMemkitError("--seq-len is required (tokens per sequence, e.g. --seq-len 2048); "
+                        "with --trainer sft or dpo, max_length=N may give it instead")
 
 
 def estimate_parser(sub) -> argparse.ArgumentParser:
@@ -75,16 +145,21 @@ def estimate_parser(sub) -> argparse.ArgumentParser:
                "--gpu T4 --seq-len 512 --batch 8 fp16=true\n"
                "  hf-memkit estimate Llama-3.1-70B --gpu H100-80GB --num-gpus 8 --seq-len 4096 "
                "--batch 1 \\\n      bf16=true fsdp=true "
-               "'fsdp_config={\"version\": 2, \"cpu_offload\": true}'   # one rank's memory",
+               "'fsdp_config={\"version\": 2, \"cpu_offload\": true}'   # one rank's memory\n"
+               "  hf-memkit estimate Llama-3.2-1B --gpu RTX-4090 --trainer sft --batch 4 "
+               "max_length=2048 packing=true   # TRL's SFTTrainer",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", help="bundled model name or local directory with config.json")
     p.add_argument("fields", nargs="*", type=parse_field, metavar="FIELD=VALUE",
-                   help="any TrainingArguments field, e.g. bf16=true optim=adafactor")
+                   help="any TrainingArguments field, e.g. bf16=true optim=adafactor (with "
+                        "--trainer sft/dpo: any SFTConfig/DPOConfig field, e.g. packing=true)")
     p.add_argument("--gpu", default=None, help="catalog GPU (hf-memkit devices) or 'cpu'; "
                                                "default: this machine")
-    p.add_argument("--seq-len", type=positive_int, required=True,
-                   help="longest sequence in a batch")
+    p.add_argument("--seq-len", type=positive_int, default=None,
+                   help="longest sequence in a batch (with --trainer sft/dpo: default the "
+                        "max_length=N field)")
+    add_trainer_option(p)
     p.add_argument("--batch", type=positive_int, default=None,
                    help="per_device_train_batch_size")
     p.add_argument("--task", default=None, metavar="TASK", choices=task_choices(),
@@ -115,41 +190,54 @@ def estimate_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def add_trainer_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trainer", default=None, metavar="TRAINER",
+                   help="trainer (transformers.Trainer, the default), sft (TRL's SFTTrainer: "
+                        "its fused log-prob head, SFTConfig's fields and defaults: bf16 and "
+                        "checkpointing on) or dpo (DPOTrainer: chosen + rejected rows, a "
+                        "reference model); needs pip install 'hf-memkit[trl]'")
+
+
 def estimate_command(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from .._estimate import estimate_memory  # torch and transformers: only when a command runs
     from .._render import estimate_table, print_tables
 
-    fields = dict(args.fields)
+    args.trainer = trainer_option(args.trainer)
+    fields = trainer_fields(args.fields, args.trainer)
+    seq_len = seq_len_or_max_length(args.seq_len, fields, args.trainer)
+    trainer = {} if args.trainer is None else {"trainer": args.trainer}
     if args.batch is not None:
         fields["per_device_train_batch_size"] = args.batch
         fields.setdefault("per_device_eval_batch_size", args.batch)
     if args.max_batch or args.max_seq_len:
         from .._plan import max_batch_size, max_seq_len
 
+        seq_len = seq_len or fields["max_length"]
         kw = dict(device=args.gpu, headroom=args.headroom, task=args.task, dtype=args.dtype,
-                  cuda_version=args.cuda_version, max_memory=args.max_memory)
+                  cuda_version=args.cuda_version, max_memory=args.max_memory, **trainer)
         if args.max_batch:
-            n = max_batch_size(args.model, fields, seq_len=args.seq_len, **kw)
-            text = f"largest micro-batch that fits at seq_len {args.seq_len}: {n}"
+            n = max_batch_size(args.model, fields, seq_len=seq_len, **kw)
+            text = f"largest micro-batch that fits at seq_len {seq_len}: {n}"
             result = {"max_batch_size": n}
         else:
-            n = max_seq_len(args.model, fields, limit=args.seq_len, **kw)
-            text = f"longest seq_len that fits (up to {args.seq_len}): {n}"
+            n = max_seq_len(args.model, fields, limit=seq_len, **kw)
+            text = f"longest seq_len that fits (up to {seq_len}): {n}"
             result = {"max_seq_len": n}
         print(json.dumps(result) if args.json else text)
         return 0
     try:
-        est = estimate_memory(args.model, fields, seq_len=args.seq_len, device=args.gpu,
+        est = estimate_memory(args.model, fields, seq_len=seq_len, device=args.gpu,
                               stage=args.stage, task=args.task, dtype=args.dtype,
                               num_gpus=args.num_gpus, cuda_version=args.cuda_version,
-                              max_memory=args.max_memory,
+                              max_memory=args.max_memory, **trainer,
                               **({} if args.headroom is None else {"headroom": args.headroom}))
     except ValueError as exc:
         raise HfMemkitError(str(exc)) from exc
     if args.json:
-        print(json.dumps(est.to_dict(), indent=2, default=str))
+        out = {"trainer": est.setup.trainer.name, **est.to_dict()}
+        print(json.dumps(out, indent=2, default=str))
     else:
         print_tables(Console(), estimate_table(est))
     return 0

@@ -9,7 +9,14 @@ from .._engines import engine_choices
 from .._errors import HfMemkitError
 from .._methods import method_choices
 from .._model.tasks import task_choices
-from .estimate import fraction, parse_field, positive_int
+from .estimate import (
+    add_trainer_option,
+    fraction,
+    parse_field,
+    positive_int,
+    trainer_fields,
+    trainer_option,
+)
 
 RECIPE_SUFFIXES = (".yaml", ".yml")
 
@@ -29,14 +36,17 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                "  hf-memkit plan Llama-3.1-70B --gpu H100-80GB --num-gpus 16 --num-nodes 2 "
                "--seq-len 4096 --target-batch 64 --engine deepspeed\n"
                "  hf-memkit plan recipes/llama-3.1/8b_qlora_rtx4090.yaml\n"
-               "  hf-memkit plan recipes/llama-3.1/8b_qlora_rtx4090.yaml --gpu A10G --seq-len 1024",
+               "  hf-memkit plan recipes/llama-3.1/8b_qlora_rtx4090.yaml --gpu A10G --seq-len 1024\n"
+               "  hf-memkit plan Llama-3.1-8B --gpu A100-80GB --seq-len 2048 --target-batch 64 "
+               "--trainer sft packing=true   # TRL's SFTTrainer",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", metavar="MODEL|RECIPE",
                    help="bundled model name, local directory with config.json, or a recipe "
                         "(.yaml file or bundled recipe name; hf-memkit recipes list)")
     p.add_argument("fields", nargs="*", metavar="FIELD=VALUE", type=parse_field,
-                   help="TrainingArguments fields to pin, e.g. optim=adamw_torch_fused")
+                   help="TrainingArguments fields to pin, e.g. optim=adamw_torch_fused (with "
+                        "--trainer sft/dpo: SFTConfig/DPOConfig fields, e.g. packing=true)")
     p.add_argument("--gpu", default=None, help="catalog GPU or 'cpu'; default: this machine "
                                                "(or the recipe's hardware.device)")
     p.add_argument("--num-gpus", type=positive_int, default=None,
@@ -62,6 +72,7 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                    help="the target's CUDA, e.g. 12.8 (default: the installed torch's, else "
                         "13.0); CUDA < 11.7 or CUDA_MODULE_LOADING=EAGER loads every kernel "
                         "into a larger context")
+    add_trainer_option(p)
     p.add_argument("--json", action="store_true",
                    help="print the plan as JSON: `chosen` (setup, memory, fits, training args) "
                         "first, then the estimated setups; Plan.from_json reads it")
@@ -84,17 +95,20 @@ def is_recipe_ref(ref: str) -> bool:
 
 def plan_command(args: argparse.Namespace) -> int:
     from .._plan import plan_training  # torch and transformers: only when a command runs
+    from .._plan.request import SEARCH_CONSTRAINTS
 
-    pins = dict(args.fields)
+    args.trainer = trainer_option(args.trainer)
     cli = dict(device=args.gpu, num_gpus=args.num_gpus, seq_len=args.seq_len,
                target_batch_size=args.target_batch, method=args.method,
                max_memory=args.max_memory, headroom=args.headroom, task=args.task,
                num_nodes=args.num_nodes, engine=args.engine, host_memory=args.host_memory,
-               cuda_version=args.cuda_version)
+               cuda_version=args.cuda_version, trainer=args.trainer)
     if is_recipe_ref(args.model):
         from .._recipe import load_recipe
 
         recipe = load_recipe(args.model)
+        pins = trainer_fields(args.fields, args.trainer or recipe.trainer,
+                              also=SEARCH_CONSTRAINTS)
         kwargs = recipe.plan_kwargs(**cli, **pins)
     else:
         missing = [flag for flag, v in (("--seq-len", args.seq_len),
@@ -102,6 +116,7 @@ def plan_command(args: argparse.Namespace) -> int:
         if missing:
             raise HfMemkitError(f"{' and '.join(missing)} required when planning a model "
                                 f"(`{args.model}`); or give a recipe .yaml that sets them")
+        pins = trainer_fields(args.fields, args.trainer, also=SEARCH_CONSTRAINTS)
         kwargs = dict(model=args.model, **{k: v for k, v in cli.items() if v is not None},
                       **pins)
     if args.headroom is not None and kwargs.get("max_memory") is not None:
@@ -113,7 +128,11 @@ def plan_command(args: argparse.Namespace) -> int:
         kwargs["headroom"] = None  # said above (or a recipe's default): no second warning
     plan = plan_training(**kwargs)
     if args.json:
-        print(plan.to_json(full=args.full, indent=2))
+        import json
+
+        d = plan.to_dict(full=args.full)
+        trainer = plan.estimate.setup.trainer.name if plan.estimate is not None else "trainer"
+        print(json.dumps({"chosen": d.pop("chosen"), "trainer": trainer, **d}, indent=2))
     else:
         from rich.console import Console
 

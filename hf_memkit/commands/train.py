@@ -22,14 +22,17 @@ def train_parser(sub) -> argparse.ArgumentParser:
         "train", help="plan, prepare and train a recipe (progress, memory logs, summary)",
         description="Plan RECIPE for its hardware, build the model (random init from the config "
                     "unless the model directory holds weights), apply the plan (attention, "
-                    "LoRA/QLoRA, checkpointing) and train it through transformers.Trainer with "
+                    "LoRA/QLoRA, checkpointing) and train it through transformers.Trainer "
+                    "(TRL's SFTTrainer for a recipe with `trainer: sft`) with "
                     "MemoryCallback (predicted vs measured memory, memory_report.json, "
                     "memory_timeline.png) and ThroughputCallback. FIELD=VALUE pins any "
-                    "TrainingArguments field on top of the recipe's pins.",
+                    "field of the trainer's config (TrainingArguments, SFTConfig) on top of "
+                    "the recipe's pins.",
         epilog="Examples:\n"
                "  hf-memkit train recipes/tiny-llama/1m_full_cpu.yaml\n"
                "  hf-memkit train tiny-llama/1m_full_cpu --max-steps 5 --output-dir /tmp/run\n"
                "  hf-memkit train my_recipe.yaml learning_rate=1e-4 --json\n"
+               "  hf-memkit train my_sft_recipe.yaml packing=true   # a recipe with trainer: sft\n"
                "Exit codes: 0 trained, 2 bad recipe or input (message on stderr), 1 the run "
                "failed (error.txt, memory_report.json and the model so far are kept in the "
                "output directory), 130 interrupted by Ctrl-C (the same files are kept).\n"
@@ -105,6 +108,7 @@ def run_train(recipe_ref: str, *, output_dir: str | None = None, max_steps: int 
     from .._recipe import load_recipe
     from .._render import plan_tables, print_tables
     from .._train import check_trainable_here, plan_recipe, train_recipe, with_max_steps, with_pins
+    from .._train_trl import check_trl_trainable
 
     console = console or Console()
     recipe = load_recipe(recipe_ref)
@@ -113,6 +117,7 @@ def run_train(recipe_ref: str, *, output_dir: str | None = None, max_steps: int 
     if max_steps is not None:
         recipe = with_max_steps(recipe, max_steps)
     check_trainable_here(recipe)
+    check_trl_trainable(recipe)   # DPO recipes: planned, not trained here yet
     plan = plan_recipe(recipe)
     if not as_json:
         console.rule(f"plan for {recipe.source}")
@@ -127,7 +132,7 @@ def run_train(recipe_ref: str, *, output_dir: str | None = None, max_steps: int 
         except KeyboardInterrupt as exc:   # TrainingInterrupted: what existed is saved
             return interrupted(exc)
     if as_json:
-        print(json.dumps(result.to_dict(), indent=2, default=str))
+        print(json.dumps({"trainer": recipe.trainer, **result.to_dict()}, indent=2, default=str))
     else:
         if result.timeline:
             print_tables(console, memory_log_table(result))
