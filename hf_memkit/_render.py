@@ -310,15 +310,19 @@ def plan_tables(plan) -> list:
     if par:
         nodes = par.get("num_nodes", 1)
         rows.append(("engine", par.get("label", "") + (f" over {nodes} nodes" if nodes > 1 else "")))
-        if c.estimate is not None and c.estimate.host_offloaded:
-            rows.append(("host memory", f"{format_bytes(c.estimate.host_offloaded)} per rank "
-                                        "offloaded to CPU RAM"))
+    if c.estimate is not None and c.estimate.host_offloaded:
+        rows.append(("host memory", f"{format_bytes(c.estimate.host_offloaded)} "
+                                    f"{'per rank ' if plan.num_gpus > 1 else ''}offloaded to "
+                                    "CPU RAM (pinned: the machine needs it free)"))
+    if par:
         launch = plan.launch_commands()
         rows.append(("launch", launch["accelerate"]))
         rows.append(("or", launch["torchrun"]))
     out = [_field_table("hf-memkit plan", rows)]
     if c.estimate is not None:
         out.append(estimate_table(c.estimate))
+    if getattr(plan, "ladder", None):
+        out.append(ladder_table(plan.ladder))
     alt = new_table("setups considered (fastest first)")
     add_column(alt, "setup")
     add_column(alt, "rel. time\nper sample", numeric=True)
@@ -337,6 +341,29 @@ def plan_tables(plan) -> list:
             add_row(notes, n)
         out.append(notes)
     return out
+
+
+def ladder_table(ladder: list[dict]) -> Table:
+    """What each rung of the chosen setup saved, from the setup without any of them up."""
+    t = new_table("what each rung saved (same micro-batch)")
+    add_column(t, "rung")
+    add_column(t, "device used\nwith it", numeric=True)
+    add_column(t, "saved", numeric=True)
+    add_column(t, "host RAM", numeric=True)
+    add_column(t, "time per\nsample", numeric=True)
+
+    def size(v) -> str:
+        return "n/a" if v is None else format_bytes(v)
+
+    for r in ladder:
+        saved = r.get("saved")
+        host = r.get("host_offloaded")
+        factor = r.get("time_factor")
+        add_row(t, "+ " + r["rung"], size(r.get("device_used")),
+                "n/a" if saved is None else format_bytes(saved) if saved >= 0 else
+                f"costs {format_bytes(-saved)}",
+                f"+{format_bytes(host)}" if host else "", f"x{factor:.2f}" if factor else "")
+    return t
 
 
 def top_candidates(plan, n: int = 8) -> list:

@@ -20,6 +20,7 @@ from transformers import TrainingArguments
 
 from ._engines import Sharding, sharding_from_args
 from ._errors import ConfigError, HfMemkitError, did_you_mean
+from ._fields import unmodelled_settings
 from ._optimizers import TARGET_MODULES_ARG, get_optimizer_profile
 from ._techniques import TechniqueUse, read_techniques, unmodelled
 from ._techniques.base import frozen
@@ -399,7 +400,7 @@ def normalize_args(args: TrainingArguments | dict[str, Any] | None, *,
         get_optimizer_profile(optim)
     except ValueError as exc:
         r.problems.append(str(exc))
-    uses = set(read_techniques(r.explicit(), r.get))
+    uses = set(kind.adjust(read_techniques(r.explicit(), r.get)))
     num_gpus = _check_num_gpus(num_gpus, r.problems)
     sharding, sharding_notes = Sharding(), []
     try:
@@ -415,7 +416,8 @@ def normalize_args(args: TrainingArguments | dict[str, Any] | None, *,
     options = dict(kind.read(r.get))
     if ref_model is not None:
         options["ref_model"] = bool(ref_model)
-    warned = unmodelled(uses) + kind.unmodelled(options)
+    warned = unmodelled(uses) + kind.unmodelled(options) + unmodelled_settings(
+        r.d, r.fields, kind.name, r.get)
     for msg in warned:
         warnings.warn(f"hf_memkit does not model {msg}; the estimate ignores it", stacklevel=3)
     eval_acc = r.get("eval_accumulation_steps")

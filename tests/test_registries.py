@@ -70,11 +70,17 @@ def test_settings_that_do_not_change_the_trace_share_it():
     dev = mk.get_device("cpu")
     cache = TraceCache()
     for optim in ("adamw_torch", "adafactor", "sgd"):
-        for accum in (1, 4):
+        for accum in (2, 4, 8):
             setup = normalize_args({"per_device_train_batch_size": 2, "optim": optim,
                                     "gradient_accumulation_steps": accum, "max_grad_norm": 0.5})
             estimate_for(spec, setup, dev, seq_len=32, cache=cache)
     assert len(cache) == 1
+    # a step that does not accumulate is traced as it runs, one micro-step (its allocator
+    # replay differs), and then equals estimate_memory's answer without a cache
+    one = normalize_args({"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1})
+    cached = estimate_for(spec, one, dev, seq_len=32, cache=cache)
+    assert len(cache) == 2
+    assert cached.device_used == estimate_for(spec, one, dev, seq_len=32).device_used
 
 
 def test_unmodelled_techniques_are_registry_entries_that_warn():

@@ -9,6 +9,7 @@ the step, and ``result`` holds the answer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from .._errors import ConfigError, HfMemkitError
 from .._model.spec import resolve_model
 from .._setup import normalize_args
 from .._trainers import TRAINERS
+from .._trainers.packing import with_lengths
 from .._units import parse_bytes
 from .activations import TraceCache
 from .budget import headroom_problem, memory_budget, resolve_headroom
@@ -73,7 +75,8 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,
                     sharding: Sharding | None = None,
                     cuda_version: str | None = None, headroom: float | None = None,
                     max_memory: int | str | None = None, trainer: str | None = None,
-                    ref_model: bool | None = None) -> MemoryEstimate:
+                    ref_model: bool | None = None,
+                    lengths: Sequence[int] | None = None) -> MemoryEstimate:
     """Predict the peak memory of one training (``stage="train"``) or eval step.
 
     ``stage="forward_backward"``: the peak of one forward and backward of the model's own loss
@@ -103,9 +106,13 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,
     ``seq_len``, padding-free / packed micro-batches, DPO's chosen+rejected rows and its
     reference model. ``ref_model=True`` (DPO): you pass your own ``ref_model`` (a frozen copy
     held on the device even for a PEFT policy or with ``precompute_ref_log_probs``).
+    ``lengths``: the token counts of the dataset's rows, in order: a padded batch peaks at the
+    longest (the default ``seq_len``); a padding-free or packed SFT micro-batch is estimated at
+    the most tokens any of its micro-batches holds (BFD's bins simulated as TRL packs them).
     """
     setup = normalize_args(args, source="args", num_gpus=num_gpus, trainer=trainer,
                            ref_model=ref_model)
+    setup, seq_len = with_lengths(setup, lengths, seq_len)
     if seq_len is None:
         seq_len = TRAINERS.get(setup.trainer.name).seq_len(dict(setup.trainer.options))
         if seq_len is None:

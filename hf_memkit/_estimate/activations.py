@@ -131,8 +131,9 @@ class TraceCache:
     reject setups cheaply, and traces the exact batch (``exact=True``) before accepting one.
 
     The key is the spec's ``trace_identity()`` and the setup's ``trace_key()`` (every setup field
-    a trace can depend on, techniques included), so optimizers, engines and accumulation share
-    a trace, and a new technique never does with the plain setup.
+    a trace can depend on, techniques included), plus whether the setup accumulates, so
+    optimizers, engines and accumulation lengths share a trace, and a new technique never does
+    with the plain setup.
     """
 
     def __init__(self) -> None:
@@ -149,17 +150,18 @@ class TraceCache:
     def excess(self, spec: ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: str,
                target_len: int | None, padded: bool, exact: bool = True,
                target: CudaTarget | None = None) -> Excess:
-        # traced with two micro-steps: one trace serves accumulating and non-accumulating setups
-        # (the accumulating phases are dropped when grad_accum == 1)
+        # an accumulating setup is traced with two micro-steps (any longer accumulation
+        # repeats the second); a non-accumulating one with its own single micro-step, as
+        # estimate_memory traces it: the allocator replay differs between the two
         batch = setup.eval_batch if stage == "eval" else setup.micro_batch
+        accum = 2 if stage == "train" and setup.grad_accum > 1 else 1
         key = self.key(spec, setup, seq_len=seq_len, stage=stage, target_len=target_len,
-                       padded=padded, target=target)
+                       padded=padded, target=target) + (accum,)
 
         def at(b: int) -> Excess:
             k = key + (b,)
             if k not in self._store:
-                s = setup.replace(micro_batch=b, eval_batch=b,
-                                  grad_accum=2 if stage == "train" else 1)
+                s = setup.replace(micro_batch=b, eval_batch=b, grad_accum=accum)
                 self._store[k] = trace_excess(spec, s, seq_len=seq_len, stage=stage,
                                               target_len=target_len, padded=padded,
                                               target=target)
@@ -172,7 +174,7 @@ class TraceCache:
         if stage == "train":  # the Trainer prefetches all micro-batches of a step
             phases = e.phases if setup.grad_accum > 1 else {
                 p: v for p, v in e.phases.items() if not p.endswith("_accum")}
-            e = Excess(phases, e.categories, e.inputs // 2 * setup.grad_accum, e.seconds,
+            e = Excess(phases, e.categories, e.inputs // accum * setup.grad_accum, e.seconds,
                        e.layers, e.lower_bound, e.sdpa_kernels, e.replays, e.replayed)
         return e
 
@@ -182,8 +184,9 @@ class TraceCache:
         """A train step bounded from below by its first forward alone (a forward-only trace
         costs about a third of a full one): the forward phase is exact, the backward is left
         out. The full trace instead when it is cached (or for eval)."""
+        accum = 2 if stage == "train" and setup.grad_accum > 1 else 1
         key = self.key(spec, setup, seq_len=seq_len, stage=stage, target_len=target_len,
-                       padded=padded, target=target)
+                       padded=padded, target=target) + (accum,)
         b = setup.micro_batch
         if stage != "train" or key + (b,) in self._store:
             return self.excess(spec, setup, seq_len=seq_len, stage=stage, target_len=target_len,

@@ -28,6 +28,7 @@ from .emit import ArgsContext, accelerator_kwargs, model_kwargs, parallel_summar
 from .request import PlanRequest, Problem
 from .result import MEMORY_FIELDS, Plan
 from .reverse import max_batch_size, max_seq_len
+from .rungs import ladder_savings
 from .search import Search
 from .space import Candidate, SpecBook, attention, candidates
 
@@ -62,6 +63,7 @@ def _finish(s: Search, cands: list[Candidate], chosen: Candidate) -> Plan:
                 c.method == chosen.method) else (
                 "not needed: a full fine-tuning setup fits" if chosen.method == "full"
                 else "not estimated")
+    ladder = ladder_savings(s, chosen)  # before rel_time is made relative
     base_time = chosen.rel_time
     for c in cands:
         c.rel_time = c.rel_time / base_time
@@ -85,7 +87,8 @@ def _finish(s: Search, cands: list[Candidate], chosen: Candidate) -> Plan:
                 num_gpus=req.ranks, method=req.method, budget=s.budget,
                 training_args_kwargs=ta, model_kwargs=model_kwargs(chosen, attn, quant, req.dev),
                 peft_config=peft_cfg, accelerator_kwargs=accelerator_kwargs(chosen, ta),
-                candidates=cands, notes=notes, num_nodes=req.nodes, parallel=parallel)
+                candidates=cands, notes=notes, num_nodes=req.nodes, parallel=parallel,
+                ladder=ladder)
 
 
 def _request(model: Any, *, seq_len: int, target_batch_size: int, device: Any = None,

@@ -4,8 +4,8 @@ used).
 FLOPs per token (Kaplan et al. 2020; PaLM appendix B): forward 2N, backward 4N (input and weight
 gradients, 2N each); attention adds 12 x layers x hidden x seq per token for fwd+bwd. Each method
 gives its own (``Method.train_flops``, ``Method.slowdown``), each technique what it adds
-(``Technique.extra_flops``), each optimizer its step cost (``OptimizerProfile.step_cost``) and
-each engine its per-micro-step overhead and communication (``Engine``).
+(``Technique.extra_flops``; ``extra_seconds`` for host copies), each optimizer its step cost
+(``OptimizerProfile.step_cost``) and each engine its per-micro-step overhead and communication (``Engine``).
 """
 
 from __future__ import annotations
@@ -108,4 +108,14 @@ def cost(c: Candidate, s: Shape, *, n_trainable: int, dev: DeviceInfo,
             comm = comm_seconds(sharding, n_params=s.n_params, n_trainable=n_trainable,
                                 grad_accum=c.grad_accum, mixed_precision=c.precision != "fp32",
                                 intra_bw=dev.interconnect_bandwidth, num_nodes=s.nodes) / s.target
-    return _compute(c, s, n_trainable, dev) + overhead + optim + comm
+    return _compute(c, s, n_trainable, dev) + overhead + optim + comm + _transfers(c, s, dev)
+
+
+def _transfers(c: Candidate, s: Shape, dev: DeviceInfo) -> float:
+    """Seconds per sample the techniques add outside compute (host copies)."""
+    itemsize = 4 if c.precision == "fp32" else 2
+    out = 0.0
+    for name in c.techniques:
+        extra = TECHNIQUES.get(name).extra_seconds
+        out += extra(shape=s, dev=dev, itemsize=itemsize) if extra else 0.0
+    return out

@@ -55,12 +55,15 @@ def training_args(c: Candidate, ctx: ArgsContext, eval_batch: int | None = None)
         ta["per_device_eval_batch_size"] = eval_batch or c.micro_batch
     rung = rung_of(c.parallel)
     engine = ENGINES.get(rung.engine)
-    for t in searched():
-        for f in t.fields:
-            ta.pop(f, None)
+    techniques = searched()
+    for f in {f for t in techniques for f in t.fields}:
+        ta.pop(f, None)
+    for t in sorted(techniques, key=lambda t: t.ladder):
         # an engine that owns checkpointing configures it itself (the same memory)
         owned = t.name == CHECKPOINTING and engine.owns_checkpointing
-        ta.update(t.emit(t.name in c.techniques and not owned, ctx.pins))
+        for k, v in t.emit(t.name in c.techniques and not owned, ctx.pins).items():
+            # a dict merges into another technique's (offload into checkpointing's kwargs)
+            ta[k] = {**ta[k], **v} if isinstance(v, dict) and isinstance(ta.get(k), dict) else v
     ta.update(engine.emit(rung, EmitContext(
         ranks=ctx.ranks, micro_batch=c.micro_batch, grad_accum=c.grad_accum,
         precision=c.precision, checkpointing=c.checkpointing, hidden=ctx.hidden,

@@ -48,6 +48,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     num_nodes: int = 1
     parallel: dict[str, Any] = field(default_factory=dict)  # engine, strategy, launch details
+    ladder: list[dict[str, Any]] = field(default_factory=list)  # what each rung saved (_plan.rungs)
 
     def __post_init__(self) -> None:
         # the candidates' estimates are judged against the plan's budget (``MemoryEstimate.fits``)
@@ -224,7 +225,7 @@ class Plan:
             "peft_config": ser.peft_to_dict(self.peft_config),
             "accelerator_kwargs": self.accelerator_kwargs,
             **cands, "notes": list(self.notes),
-            "num_nodes": self.num_nodes, "parallel": self.parallel,
+            "num_nodes": self.num_nodes, "parallel": self.parallel, "ladder": self.ladder,
         }
 
     def to_json(self, *, full: bool = True, **kw: Any) -> str:
@@ -252,7 +253,7 @@ class Plan:
             peft_config=ser.peft_from_dict(d["peft_config"]),
             accelerator_kwargs=dict(d["accelerator_kwargs"]), candidates=cands,
             notes=list(d.get("notes", [])), num_nodes=d.get("num_nodes", 1),
-            parallel=dict(d.get("parallel", {})))
+            parallel=dict(d.get("parallel", {})), ladder=list(d.get("ladder", [])))
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

@@ -3,7 +3,9 @@ lower bounds (model states alone; traces extrapolated in the micro-batch), and t
 before accepting.
 
 Candidates are estimated in order of method preference (the ladder), then tier (DDP or sharding,
-then offload as the last rung), then predicted speed; a method stops at its fastest fit.
+then offload as the last rung), then predicted speed; a method stops at its fastest fit. Pure bf16
+changes numerics (no fp32 master weights), not speed: within a method and tier it is tried only
+after every mixed-precision setup, so checkpointing and checkpoint offload come before it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from .cost import Shape, cost
 from .emit import ArgsContext, training_args
 from .request import PlanRequest
 from .space import Candidate, SpecBook, rung_of
+
+PURE_BF16 = "pure-bf16"
 
 
 def _group(c: Candidate) -> tuple:
@@ -132,7 +136,8 @@ class Search:
         for meth in self.methods:
             for tier in (0, 1):
                 pool = sorted((c for c in candidates if c.method == meth.name and not c.reason
-                               and rung_of(c.parallel).tier == tier), key=lambda c: c.rel_time)
+                               and rung_of(c.parallel).tier == tier),
+                              key=lambda c: (c.precision == PURE_BF16, c.rel_time))
                 chosen = next((c for c in pool if not c.reason and self._smallest_fits(c)
                                and self._try(c)), None)
                 if chosen is not None:

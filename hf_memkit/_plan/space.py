@@ -14,7 +14,7 @@ from transformers import PretrainedConfig
 
 from .._compat import is_flash_attn_available
 from .._device import DeviceInfo
-from .._engines import Rung, all_rungs
+from .._engines import ENGINES, Rung, all_rungs
 from .._errors import HfMemkitError
 from .._estimate import MemoryEstimate
 from .._methods import Method
@@ -142,22 +142,43 @@ class SpecBook:
 
 def technique_choices(req: PlanRequest, model_cls: type,
                       notes: list[str]) -> list[tuple[Technique, list[bool]]]:
-    """Each searched technique with the values to try: the pin, or off and on when the model
-    supports it."""
+    """Each searched technique with the values to try: the pin, or off and on where the model,
+    the target device and this machine's libraries allow it."""
     out = []
     for t in searched():
-        supported = t.supported(model_cls)
-        if not supported:
-            notes.append(f"{model_cls.__name__} does not support {t.sentence_name}; the plan "
-                         "never enables it")
-        if any(f in req.pins for f in t.fields):
-            on = t.read(req.pins, req.pins.get) is not None
-            if on and not supported:
-                raise HfMemkitError(f"{model_cls.__name__} does not support {t.sentence_name}; "
-                                    f"drop the {t.fields[0]} pin")
+        why_not = _why_not(t, req, model_cls)
+        if why_not and t.acts_on(req.dev.kind):
+            notes.append(why_not)
+        on = t.pin(req.pins)
+        if on is not None:
+            if on and why_not:
+                raise HfMemkitError(f"{why_not}; drop the {t.fields[0]} pin")
             out.append((t, [on]))
         else:
-            out.append((t, [False, True] if supported else [False]))
+            out.append((t, [False] if why_not else [False, True]))
+    return out
+
+
+def _why_not(t: Technique, req: PlanRequest, model_cls: type) -> str:
+    """Why the plan never enables ``t`` ("" when it may)."""
+    if not t.supported(model_cls):
+        return f"{model_cls.__name__} does not support {t.sentence_name}; the plan never " \
+               "enables it"
+    if not t.acts_on(req.dev.kind):
+        return f"{t.sentence_name} only acts on {'/'.join(t.devices)} targets"
+    if not t.available():
+        return f"{t.sentence_name} needs {t.missing}, which this machine lacks; the plan " \
+               "never enables it"
+    return ""
+
+
+def technique_combos(choices: list[tuple[Technique, list[bool]]]) -> list[tuple[str, ...]]:
+    """Every combination of the choices in which each technique's ``requires`` are on."""
+    out = []
+    for combo in itertools.product(*(vals for _, vals in choices)):
+        on = {t.name for (t, _), v in zip(choices, combo, strict=True) if v}
+        if all(set(TECHNIQUES.get(n).requires) <= on for n in on):
+            out.append(tuple(sorted(on)))
     return out
 
 
@@ -197,14 +218,15 @@ def _rung_precision_optim(req: PlanRequest, meth: Method) -> Iterator[tuple[Rung
 def candidates(req: PlanRequest, methods: list[Method], book: SpecBook,
                notes: list[str]) -> list[Candidate]:
     """Every setup of the search, not yet priced or estimated."""
-    choices = technique_choices(req, book.base.model_cls, notes)
-    combos = [tuple(sorted(t.name for (t, _), v in zip(choices, combo, strict=True) if v))
-              for combo in itertools.product(*(vals for _, vals in choices))]
+    combos = technique_combos(technique_choices(req, book.base.model_cls, notes))
     out = []
     for meth in methods:
         for rung, precision, optim in _rung_precision_optim(req, meth):
             attn = attention(book.base, req.dev, precision)[0]
+            owned = ENGINES.get(rung.engine).owns_checkpointing
             for on in combos:
+                if owned and any(CHECKPOINTING in TECHNIQUES.get(n).requires for n in on):
+                    continue  # the engine configures checkpointing (and its offload) itself
                 out += [Candidate(meth.name, precision, optim, CHECKPOINTING in on, mb,
                                   req.per_rank // mb, attn, 0.0, parallel=rung.name,
                                   techniques=on) for mb in req.micro_batches()]

@@ -15,9 +15,18 @@ Per entry:
     are not counted, its trace hook (given ``target=None``) must leave the model as it is, and
     the estimate notes ``inert`` (why it changes nothing there);
   * ``extra_flops(n_params, attn_flops)``: compute it adds per token (the planner's cost model);
-  * ``searched``: the planner tries it on and off; ``emit(on)`` gives the TrainingArguments
-    fields for that, ``prepare(model)`` applies it in ``Plan.prepare``, ``supported(model_cls)``
-    says whether the model can use it.
+    ``extra_seconds(shape=, dev=, itemsize=)``: time per sample it adds that is not compute
+    (host transfers), from ``_plan.cost.Shape`` and the target device;
+  * ``searched``: the planner tries it on and off; ``emit(on, pins)`` gives the TrainingArguments
+    fields for that (a dict value is merged into the same field of another technique's emit),
+    ``prepare(model)`` applies it in ``Plan.prepare``, ``supported(model_cls)`` says whether the
+    model can use it, ``available()`` whether this machine has what the Trainer needs for it
+    (``missing``: what to install otherwise), ``requires``: techniques it only works with (the
+    planner never tries it without them);
+  * ``ladder``: where a searched technique sits among the memory rungs ``Plan.explain`` lists
+    (lower: cheaper, applied first); ``pinned(pins)``: whether the user's pins switch it on or
+    off, None when they leave it to the search (default: on/off as ``read`` says, when any of
+    its fields is pinned).
 """
 
 from __future__ import annotations
@@ -71,10 +80,16 @@ class Technique:
     devices: tuple[str, ...] = ()         # device kinds it acts on (empty: all)
     inert: str = ""                       # the note on other device kinds
     extra_flops: Callable[[int, float], float] | None = None
+    extra_seconds: Callable[..., float] | None = None
     searched: bool = False
     emit: Callable[[bool, Mapping[str, Any]], dict[str, Any]] | None = None
     prepare: Callable[[Any], Any] | None = None
     supported: Callable[[type], bool] = field(default=lambda cls: True)
+    available: Callable[[], bool] = field(default=lambda: True)
+    missing: str = ""
+    requires: tuple[str, ...] = ()
+    ladder: int = 50
+    pinned: Callable[[Mapping[str, Any]], bool | None] | None = None  # default: any field given
 
     @property
     def display(self) -> str:
@@ -86,6 +101,14 @@ class Technique:
 
     def acts_on(self, device_kind: str) -> bool:
         return not self.devices or device_kind in self.devices
+
+    def pin(self, pins: Mapping[str, Any]) -> bool | None:
+        """Whether the user's pinned fields switch it on or off (None: not pinned)."""
+        if self.pinned is not None:
+            return self.pinned(pins)
+        if not any(f in pins for f in self.fields):
+            return None
+        return self.read(pins, pins.get) is not None
 
 
 TECHNIQUES: Registry[Technique] = Registry("memory technique")

@@ -140,8 +140,58 @@ def _host_bytes(spec: Any, setup: Any, seq_len: int, options: Mapping[str, Any])
     return layers * pinned_block(setup.micro_batch * seq_len * hidden * itemsize)
 
 
+def _available() -> bool:
+    """The installed transformers takes ``offload`` (``_activation_checkpointing_enable``)."""
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    enable = getattr(PreTrainedModel, "_activation_checkpointing_enable", None)
+    return enable is not None and "offload" in inspect.signature(enable).parameters
+
+
+def _emit(on: bool, pins: Mapping[str, Any]) -> dict[str, Any]:
+    """Merged into checkpointing's kwargs (``Technique.emit``: dict values merge)."""
+    from .checkpointing import field_name
+
+    return {field_name() + "_kwargs": {"offload": True}} if on else {}
+
+
+def _pinned(pins: Mapping[str, Any]) -> bool | None:
+    """Pinned checkpointing kwargs say whether to offload (when checkpointing is on)."""
+    kwargs = resolve_checkpointing({k: v for k, v in pins.items() if k.endswith("_kwargs")})[1]
+    given = any(f in pins for f in ("activation_checkpointing_kwargs",
+                                    "gradient_checkpointing_kwargs"))
+    return bool(kwargs.get("offload")) if given else None
+
+
+def host_link_bandwidth(dev: Any) -> float:
+    """Bytes/s one pinned copy moves between host and device: the PCIe generation of the
+    card's host link from its architecture (Hopper and later: Gen5; Ampere/Ada: Gen4; older:
+    Gen3), x16, at 80% of the link's 64/32/16 GB/s per direction (pinned ``cudaMemcpyAsync``
+    reaches about that: NVIDIA's bandwidthTest on H100 PCIe Gen5 ~ 50-55 GB/s, A100 Gen4
+    ~ 25 GB/s)."""
+    cc = getattr(dev, "compute_capability", None) or (0, 0)
+    per_direction = 64e9 if cc >= (9, 0) else 32e9 if cc >= (8, 0) else 16e9
+    return 0.8 * per_direction
+
+
+def _extra_seconds(*, shape: Any, dev: Any, itemsize: int) -> float:
+    """Each checkpointed layer's input goes to the host in the forward and back in the
+    backward, copied on the compute stream (``pack_to_cpu``'s ``copy_(non_blocking=True)`` is
+    ordered with the kernels around it; ``unpack_from_cpu`` is awaited by the recompute), so
+    the copies add to the step instead of hiding under it: 2 x layers x seq x hidden x bytes
+    per sample over the host link."""
+    nbytes = 2 * shape.layers * shape.seq_len * shape.hidden * itemsize
+    return nbytes / host_link_bandwidth(dev)
+
+
 register(Technique(
     NAME, fields=("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"),
     read=_read, what="checkpointed layer inputs move to pinned host memory",
     label="activation offloading", title="activation offloading", trace_hook=_trace_hook,
-    host_bytes=_host_bytes, devices=("cuda",), inert=INERT))
+    host_bytes=_host_bytes, devices=("cuda",), inert=INERT, extra_seconds=_extra_seconds,
+    searched=True, emit=_emit, available=_available, requires=("activation_checkpointing",),
+    missing="transformers >= 5.17 (activation_checkpointing_kwargs={'offload': True})",
+    ladder=40, pinned=_pinned, supported=lambda cls: bool(getattr(cls, "supports_gradient_checkpointing",
+                                                  False))))

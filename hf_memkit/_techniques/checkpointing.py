@@ -45,6 +45,13 @@ def _trace_hook(model: Any, options: Mapping[str, Any], *, stage: str, adapters:
         model.enable_input_require_grads()  # as the Trainer does for PEFT / reentrant
 
 
+def _pinned(pins: Mapping[str, Any]) -> bool | None:
+    """Pinned kwargs alone (``{"offload": True}``) configure checkpointing, not switch it."""
+    if "activation_checkpointing" in pins or "gradient_checkpointing" in pins:
+        return resolve_checkpointing(pins)[0]
+    return None
+
+
 def field_name() -> str:
     from .._setup import training_args_fields
 
@@ -74,5 +81,5 @@ register(Technique(
     read=_read, what="recomputes each layer's forward in backward; keeps only layer inputs",
     label="checkpointing", title="gradient checkpointing", trace_hook=_trace_hook,
     extra_flops=lambda n_params, attn_flops: 2 * n_params + attn_flops / 3,
-    searched=True, emit=_emit, prepare=_prepare,
+    searched=True, emit=_emit, prepare=_prepare, ladder=30, pinned=_pinned,
     supported=lambda cls: bool(getattr(cls, "supports_gradient_checkpointing", False))))

@@ -59,8 +59,45 @@ def _trace_hook(model: Any, options: Mapping[str, Any], *, stage: str, adapters:
                             "cross_entropy=False)") from exc
 
 
+def _supported(model_cls: type) -> bool:
+    from .._liger_emulation import MODEL_TYPES
+
+    return str(getattr(getattr(model_cls, "config_class", None), "model_type", "")) in MODEL_TYPES
+
+
+def _available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def _emit(on: bool, pins: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"use_liger_kernel": on}
+    if on and "liger_kernel_config" in pins:
+        out["liger_kernel_config"] = dict(pins["liger_kernel_config"] or {})
+    return out
+
+
+def layers_only(config: Mapping[str, Any] | None) -> dict[str, bool]:
+    """``liger_kernel_config`` as TRL's ``SFTTrainer``/``DPOTrainer`` pass it on: their fused
+    log-prob head replaces the model's forward, so they refuse Liger's fused linear
+    cross-entropy and keep only its layer kernels (``trl/trainer/sft_trainer.py``: "Liger's
+    fused linear cross-entropy replaces ``model.forward`` ... only its layer kernels are
+    applied")."""
+    config = dict(config or {})
+    if config.get("fused_linear_cross_entropy"):
+        raise HfMemkitError("liger_kernel_config={'fused_linear_cross_entropy': True} is not "
+                            "supported by TRL's trainers (their fused log-prob head patches "
+                            "the model's forward, and TRL raises); drop that key, the other "
+                            "Liger kernels still apply")
+    return {**config, "fused_linear_cross_entropy": False}
+
+
 register(Technique(
     NAME, fields=("use_liger_kernel", "liger_kernel_config"), read=_read,
     what="Liger kernels: fused linear cross-entropy in chunks (no [tokens x vocab] logits), "
          "RMSNorm, SwiGLU and RoPE that save fewer activations",
-    label="Liger kernels", trace_hook=_trace_hook))
+    label="Liger kernels", trace_hook=_trace_hook, devices=("cuda",), searched=True,
+    emit=_emit, supported=_supported, available=_available,
+    missing="liger-kernel (pip install liger-kernel)", ladder=10,
+    pinned=lambda pins: bool(pins["use_liger_kernel"]) if "use_liger_kernel" in pins else None))

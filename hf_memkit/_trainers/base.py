@@ -11,6 +11,7 @@ rejected rows together and runs a reference forward. An entry says, from its con
   * ``reference(options, adapters)``: what serves as the reference model ("copy", "adapters",
     or None), whose weights are held on the device;
   * ``unmodelled(options)``: "field: what it changes" for settings it does not model (warned);
+  * ``adjust(uses)``: the techniques that are on, as the trainer changes them before training;
   * ``fields``: the config fields it models (the field-coverage test checks the rest are named).
 """
 
@@ -73,6 +74,14 @@ class TrainerKind:
     notes: Callable[[Mapping[str, Any]], list[str]] = field(default=lambda o: [])
     unmodelled: Callable[[Mapping[str, Any]], list[str]] = field(default=lambda o: [])
     extra: str | None = None                      # the pip extra that installs it
+    # the techniques as the trainer passes them on (TRL drops Liger's fused cross-entropy)
+    adjust: Callable[[frozenset[Any]], frozenset[Any]] = field(default=lambda uses: uses)
+
+    def modelled_fields(self) -> frozenset[str]:
+        """``fields`` less those ``unmodelled`` warns about when they are on (its messages
+        start with the field's name): the config fields the estimate follows (``_fields``)."""
+        warned = {m.split(":", 1)[0] for m in self.unmodelled({f: True for f in self.fields})}
+        return frozenset(self.fields) - warned
 
     def config_type(self) -> type:
         """The installed config class (raises a clear error when its package is missing)."""

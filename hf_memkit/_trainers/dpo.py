@@ -24,6 +24,7 @@ import torch
 
 from .base import BatchShape, TraceStep, TrainerKind, offload_unmodelled, padded_length, register
 from .fused_head import DPO_OUTPUTS, add_head, fold_context
+from .liger import liger_layers_only
 
 
 def _read(get: Callable[[str], Any]) -> dict[str, Any]:
@@ -91,4 +92,4 @@ register(TrainerKind(
     fields=("max_length", "precompute_ref_log_probs", "use_weighting", "pad_to_multiple_of",
             "padding_free", "activation_offloading", "loss_type"),
     seq_len=lambda o: o.get("max_length"), shape=_shape, step=DPOStep, reference=reference,
-    notes=_notes, unmodelled=offload_unmodelled))
+    notes=_notes, unmodelled=offload_unmodelled, adjust=liger_layers_only))

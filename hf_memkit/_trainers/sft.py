@@ -22,6 +22,7 @@ from typing import Any
 
 from .base import BatchShape, TraceStep, TrainerKind, offload_unmodelled, padded_length, register
 from .fused_head import SFT_OUTPUTS, add_head, fold_context
+from .liger import liger_layers_only
 
 
 def _read(get: Callable[[str], Any]) -> dict[str, Any]:
@@ -33,10 +34,13 @@ def _read(get: Callable[[str], Any]) -> dict[str, Any]:
             "loss_type": "nll" if get("loss_type") in ("nll", "chunked_nll") else
             str(get("loss_type")),
             "pad_to_multiple_of": get("pad_to_multiple_of"),
+            "packing_strategy": strategy if packing else None,
             "activation_offloading": bool(get("activation_offloading"))}
 
 
 def _shape(o: Mapping[str, Any], batch: int, seq: int) -> BatchShape:
+    if o.get("tokens"):  # the largest micro-batch of estimate_memory(lengths=...) (packing.py)
+        return BatchShape(1, padded_length(o, o["tokens"]), packed=True)
     if o.get("padding_free"):
         return BatchShape(1, batch * seq, packed=True)
     return BatchShape(batch, padded_length(o, seq))
@@ -63,10 +67,14 @@ class SFTStep(TraceStep):
 def _notes(o: Mapping[str, Any]) -> list[str]:
     notes = ["SFTTrainer: TRL's fused log-prob head (tiles of <= 4096 tokens x 32768 vocab), "
              "not the model's logits and loss"]
-    if o.get("padding_free"):
+    if o.get("tokens"):
+        notes.append(f"padding-free: the largest micro-batch of the given lengths, "
+                     f"{o['tokens']} tokens in one row"
+                     + (" (the fullest BFD bins)" if o.get("packing") else " (the longest rows)"))
+    elif o.get("padding_free"):
         notes.append("padding-free: the micro-batch is one row of micro_batch x seq_len tokens "
                      "(seq_len: the mean row length; packing: full bins of max_length, an upper "
-                     "bound when the bins are not full)")
+                     "bound when the bins are not full; lengths=[...] gives the real bins)")
     return notes
 
 
@@ -75,4 +83,4 @@ register(TrainerKind(
     fields=("max_length", "packing", "packing_strategy", "padding_free", "loss_type",
             "pad_to_multiple_of", "activation_offloading"),
     seq_len=lambda o: o.get("max_length"), shape=_shape, step=SFTStep, notes=_notes,
-    unmodelled=offload_unmodelled))
+    unmodelled=offload_unmodelled, adjust=liger_layers_only))

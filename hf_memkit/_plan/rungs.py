@@ -1,0 +1,89 @@
+"""What each memory rung of the chosen setup saved: ``Plan.ladder``, shown by ``explain()``.
+
+The chosen setup is taken apart one rung at a time, the costliest first (the method after
+full fine-tuning, pure bf16, then the searched techniques by ``Technique.ladder``: checkpoint
+offload, checkpointing, Liger's fused head; and the optimizer instead of the fastest one),
+and each setup on the way down is estimated exactly at the chosen micro-batch. Read from the
+bottom up, every rung's line is what adding it saved on the device (and kept in host RAM) and
+what it costs in predicted time per sample. Rungs the user pinned are shown too: they are part of
+the setup's memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from .._errors import HfMemkitError
+from .._techniques import TECHNIQUES
+from .space import Candidate, optimizers
+
+OPTIM_RUNG = 20       # between Liger's fused head (10) and checkpointing (30)
+PURE_BF16_RUNG = 60   # after checkpoint offload (40)
+METHOD_RUNG = 70      # LoRA / 8-bit / 4-bit bases: the last resort of method="auto"
+
+
+def _without(c: Candidate, name: str) -> Candidate:
+    """``c`` with technique ``name`` off, and every technique that requires it."""
+    gone = {name} | {n for n in c.techniques if name in TECHNIQUES.get(n).requires}
+    on = tuple(n for n in c.techniques if n not in gone)
+    return dataclasses.replace(c, techniques=on, checkpointing="activation_checkpointing" in on,
+                               estimate=None, device_used=None, peak_allocated=None,
+                               fits=False, chosen=False, reason="")
+
+
+def _fresh(c: Candidate, **changes: Any) -> Candidate:
+    return dataclasses.replace(c, estimate=None, device_used=None, peak_allocated=None,
+                               fits=False, chosen=False, reason="", **changes)
+
+
+def rungs(search: Any, c: Candidate) -> list[tuple[int, str, Callable[[Candidate], Candidate]]]:
+    """(ladder position, label, undo) of every rung ``c`` stands on."""
+    out = []
+    for name in c.techniques:
+        t = TECHNIQUES.get(name)
+        out.append((t.ladder, t.display, lambda x, n=name: _without(x, n)))
+    fastest = optimizers(search.req)[0]
+    if c.optim != fastest:
+        out.append((OPTIM_RUNG, f"{c.optim} instead of {fastest}",
+                    lambda x: _fresh(x, optim=fastest)))
+    if c.precision == "pure-bf16":
+        out.append((PURE_BF16_RUNG, "pure bf16 (no fp32 master weights)",
+                    lambda x: _fresh(x, precision="bf16")))
+    names = [m.name for m in search.methods]
+    if c.method in names:
+        for i in range(names.index(c.method), 0, -1):
+            out.append((METHOD_RUNG + i, f"{names[i]} instead of {names[i - 1]}",
+                        lambda x, m=names[i - 1]: _fresh(x, method=m)))
+    return out
+
+
+def ladder_savings(search: Any, chosen: Candidate) -> list[dict[str, Any]]:
+    """One row per rung, from the setup with none of them up to ``chosen``: ``rung``,
+    ``device_used`` with it, ``saved`` (device bytes it saved; None when the setup below it
+    could not be estimated), ``host_offloaded`` it added and ``time_factor`` (predicted time
+    per sample with it / without it)."""
+    steps = sorted(rungs(search, chosen), key=lambda r: -r[0])
+    chain = [chosen]
+    for _, _, undo in steps:
+        chain.append(undo(chain[-1]))
+    used, host = [], []
+    for c in chain[1:]:
+        search.price(c)
+        try:
+            c.estimate = search.estimate(c)
+        except HfMemkitError:  # e.g. a method this model cannot be estimated with
+            c.estimate = None
+    for c in chain:
+        used.append(c.estimate.device_used if c.estimate is not None else None)
+        host.append(c.estimate.host_offloaded if c.estimate is not None else None)
+    out = []
+    for i in range(len(steps) - 1, -1, -1):  # from the bottom rung up
+        above, below = chain[i], chain[i + 1]
+        out.append({"rung": steps[i][1], "device_used": used[i],
+                    "saved": None if None in (used[i], used[i + 1]) else used[i + 1] - used[i],
+                    "host_offloaded": None if None in (host[i], host[i + 1]) else
+                    host[i] - host[i + 1],
+                    "time_factor": above.rel_time / below.rel_time if below.rel_time else None})
+    return out

@@ -1,0 +1,100 @@
+"""The tokens of the largest micro-batch ``SFTTrainer`` feeds, from the rows' token counts.
+
+``estimate_memory(..., lengths=[...])`` passes the dataset's row lengths (in dataset order):
+  * **packing** ("bfd" / "bfd_split", TRL 1.16 ``trl/data_utils.py::_pack_bfd``): rows are
+    truncated (``bfd``) or split (``bfd_split``) at ``max_length``, sorted longest first and each
+    put into the bin whose free space fits it most tightly (best fit decreasing; ties: the bin
+    that got that free space first), a new bin when none fits. ``pack_dataset`` runs it through
+    ``datasets.map(batched=True)``, 1000 rows per batch, so bins never mix rows of two batches.
+    A micro-batch is ``per_device_train_batch_size`` bins flattened into one row; the sampler
+    shuffles bins, so the largest micro-batch holds the fullest bins;
+  * **padding-free** without packing: the rows themselves are flattened, so the largest
+    micro-batch holds the longest rows (TRL requires ``max_length=None`` there: rows are not
+    truncated).
+Both are the most a step can be handed over an epoch: an upper bound for any one shuffle, exact
+for the worst.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Sequence
+
+MAP_BATCH = 1000  # datasets.Dataset.map's default batch_size
+
+
+def _fragments(lengths: Sequence[int], max_length: int, split: bool) -> list[int]:
+    if not split:
+        return [min(n, max_length) for n in lengths if n > 0]
+    out = []
+    for n in lengths:
+        q, r = divmod(n, max_length)
+        out += [max_length] * q + ([r] if r else [])
+    return out
+
+
+def bfd_bins(lengths: Sequence[int], max_length: int, *, split: bool = False) -> list[int]:
+    """The token count of every bin ``_pack_bfd`` makes of rows of ``lengths``, per map batch."""
+    bins: list[int] = []
+    for start in range(0, len(lengths), MAP_BATCH):
+        used: list[int] = []                  # tokens in each bin of this map batch
+        free: list[tuple[int, int]] = []      # (free space, order it got it) of open bins
+        order = itertools.count()
+        where: dict[int, int] = {}            # order -> bin index
+        for n in sorted(_fragments(lengths[start:start + MAP_BATCH], max_length, split),
+                        reverse=True):
+            i = bisect.bisect_left(free, (n, -1))
+            if i < len(free):
+                _, o = free.pop(i)
+                b = where.pop(o)
+            else:
+                b = len(used)
+                used.append(0)
+            used[b] += n
+            if max_length - used[b] > 0:
+                o = next(order)
+                where[o] = b
+                bisect.insort(free, (max_length - used[b], o))
+        bins += used
+    return bins
+
+
+def peak_tokens(lengths: Sequence[int], micro_batch: int, *, packing: bool, max_length: int | None,
+                split: bool = False) -> int:
+    """The tokens of the largest padding-free micro-batch of ``micro_batch`` bins (or rows)."""
+    units = bfd_bins(lengths, max_length, split=split) if packing and max_length else \
+        list(lengths)
+    return sum(sorted(units, reverse=True)[:micro_batch])
+
+
+def with_lengths(setup, lengths: Sequence[int] | None, seq_len: int | None):
+    """``setup`` and ``seq_len`` for rows of ``lengths`` tokens (None: as they are): a padded
+    batch peaks at its longest row (truncated at ``max_length``); a padding-free SFT micro-batch
+    holds the tokens of its largest micro-batch (``peak_tokens``), kept in the trainer's
+    options."""
+    from .._errors import ConfigError
+    from .._techniques import TechniqueUse
+
+    if lengths is None:
+        return setup, seq_len
+    lengths = list(lengths)
+    bad = [n for n in lengths if isinstance(n, bool) or not isinstance(n, int) or n < 1]
+    if not len(lengths) or bad:
+        raise ConfigError([f"lengths must be the token counts of the dataset's rows (positive "
+                           f"integers), got {'an empty list' if not len(lengths) else bad[:5]}"],
+                          source="estimate_memory")
+    o = dict(setup.trainer.options)
+    cap = o.get("max_length")
+    longest = min(max(lengths), cap) if cap else max(lengths)
+    if setup.trainer.name != "sft" or not o.get("padding_free"):
+        return setup, seq_len or longest
+    split = o.get("packing_strategy") == "bfd_split"
+    o["tokens"] = peak_tokens(lengths, setup.micro_batch, packing=bool(o.get("packing")),
+                              max_length=cap, split=split)
+    from .base import TRAINERS
+
+    kind = TRAINERS.get("sft")
+    before = set(kind.notes(dict(setup.trainer.options)))
+    notes = tuple(n for n in setup.notes if n not in before) + tuple(kind.notes(o))
+    return setup.replace(trainer=TechniqueUse.of("sft", o), notes=notes), seq_len or longest
