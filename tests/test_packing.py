@@ -70,3 +70,67 @@ def test_bad_lengths_are_named():
              lengths=[10, 0, -3])
     with pytest.raises(mk.HfMemkitError, match="empty list"):
         _est(dict(per_device_train_batch_size=2, max_length=256, packing=True), lengths=[])
+
+
+# -- planning from lengths ---------------------------------------------------------------------
+SKEWED = [20 + (37 * i) % 100 for i in range(300)] + [512] * 3   # mostly short, a few long
+
+
+def _plan(**kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return mk.plan_training(CFG, trainer="sft", target_batch_size=16, device="cpu",
+                                method="full", **kw)
+
+
+def test_a_plan_from_lengths_flattens_short_rows_and_says_what_to_truncate():
+    """Most rows short, a few at 512: a padded micro-batch pays for its longest row, the
+    padding-free one for the real tokens; with room for both the plan takes padding-free and
+    emits what TRL needs for it (max_length=None), and its estimate is estimate_memory's for the
+    emitted arguments and the same lengths."""
+    pytest.importorskip("trl")
+    p = _plan(lengths=SKEWED)
+    ta = p.training_args_kwargs
+    assert p.chosen.padding_free and ta["padding_free"] is True and ta["max_length"] is None
+    assert p.seq_len == 512
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = mk.estimate_memory(CFG, ta, trainer="sft", lengths=SKEWED, device="cpu")
+    mb = ta["per_device_train_batch_size"]
+    assert p.estimate.device_used == again.device_used
+    assert any(f"holds {3 * 512 + sum(sorted(SKEWED)[-mb:-3])} tokens" in n for n in p.notes)
+    # padded candidates peak at the longest row and cost E[longest of the micro-batch]
+    padded = [c for c in p.candidates if not c.padding_free and c.micro_batch == mb]
+    assert padded and all(c.rel_time > 1 for c in padded)
+
+
+def test_a_budget_below_the_worst_micro_batch_picks_another_setup():
+    pytest.importorskip("trl")
+    roomy = _plan(lengths=SKEWED)
+    tight = _plan(lengths=SKEWED, max_memory=roomy.estimate.upper - 1)
+    assert tight.chosen.label() != roomy.chosen.label()
+    assert tight.estimate.upper <= roomy.estimate.upper - 1 < roomy.estimate.upper
+
+
+def test_mean_and_max_plan_the_worst_micro_batch():
+    pytest.importorskip("trl")
+    p = _plan(mean_len=60, max_len=256)
+    assert p.seq_len == 256 and p.chosen.padding_free
+    mb = p.chosen.micro_batch
+    assert any(f"holds {mb * 256} tokens" in n for n in p.notes)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(lengths=[10, 20], trainer="dpo"), "trainer='sft'"),
+    (dict(lengths=[10, 20], seq_len=64), "leave seq_len out"),
+    (dict(lengths=[10, 0]), r"positive integers.*\[0\]"),
+    (dict(mean_len=300, max_len=256), "0 < mean_len <= max_len"),
+    (dict(lengths=[10], mean_len=5, max_len=10), "not both"),
+])
+def test_bad_length_requests_are_named(kw, match):
+    pytest.importorskip("trl")
+    kw.setdefault("trainer", "sft")
+    with pytest.raises(mk.HfMemkitError, match=match):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mk.plan_training(CFG, target_batch_size=16, device="cpu", method="full", **kw)

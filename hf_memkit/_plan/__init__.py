@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .._engines import engine_choices
-from .._errors import HfMemkitError
+from .._errors import ConfigError, HfMemkitError
 from .._estimate.budget import resolve_headroom
 from .._methods import METHODS, Method, ladder, method_choices
 from .._model.profile import architecture_facts, unwrap_model
@@ -25,6 +25,7 @@ from .._setup import training_args_fields
 from .._trainers import trainer_of_args
 from .cost import Shape
 from .emit import ArgsContext, accelerator_kwargs, model_kwargs, parallel_summary, training_args
+from .lengths import Lengths, length_problems
 from .request import PlanRequest, Problem
 from .result import MEMORY_FIELDS, Plan
 from .reverse import max_batch_size, max_seq_len
@@ -76,6 +77,12 @@ def _finish(s: Search, cands: list[Candidate], chosen: Candidate) -> Plan:
     if chosen.precision == "pure-bf16":
         notes.append("pure bf16: weights, gradients and optimizer state in bf16 with no fp32 "
                      "master copy (as torchtune defaults to); saves memory but changes numerics")
+    if chosen.padding_free:
+        tokens = dict(s.setup_of(chosen).trainer.options).get("tokens") or \
+            chosen.micro_batch * req.seq_len
+        notes.append(f"padding-free: each micro-batch's rows flattened into one row (the "
+                     f"largest holds {tokens} tokens); TRL takes the rows as they are "
+                     f"(max_length=None): truncate them to {req.seq_len} tokens beforehand")
     if chosen.micro_batch < req.per_rank:
         notes.append(f"micro-batch {chosen.micro_batch} x {chosen.grad_accum} accumulation steps "
                      f"x {req.ranks} rank(s) = {req.target_batch_size}")
@@ -91,25 +98,33 @@ def _finish(s: Search, cands: list[Candidate], chosen: Candidate) -> Plan:
                 ladder=ladder)
 
 
-def _request(model: Any, *, seq_len: int, target_batch_size: int, device: Any = None,
-             num_gpus: int | None = None, method: str = "auto", headroom: float | None = None,
-             max_memory: int | str | None = None, task: str | None = None, num_nodes: int = 1,
-             engine: str = "auto", host_memory: int | str | None = None,
-             cuda_version: str | None = None, trainer: str | None = None,
-             **constraints: Any) -> PlanRequest:
+def _request(model: Any, *, seq_len: int | None = None, target_batch_size: int,
+             device: Any = None, num_gpus: int | None = None, method: str = "auto",
+             headroom: float | None = None, max_memory: int | str | None = None,
+             task: str | None = None, num_nodes: int = 1, engine: str = "auto",
+             host_memory: int | str | None = None, cuda_version: str | None = None,
+             trainer: str | None = None, lengths: Any = None, mean_len: Any = None,
+             max_len: Any = None, **constraints: Any) -> PlanRequest:
     headroom = resolve_headroom(headroom, max_memory, "plan_training", stacklevel=4)
     if trainer is not None:
         trainer = trainer_of_args(None, trainer)  # a clear error for GRPO, RLOO, a typo
-    return PlanRequest(model, seq_len, target_batch_size, device, num_gpus, method, headroom,
-                       max_memory, task, num_nodes, engine, host_memory, dict(constraints),
-                       cuda_version=cuda_version, trainer=trainer)
+    problems = length_problems(lengths, mean_len, max_len, trainer, seq_len)
+    if problems:
+        raise ConfigError([p.message for p in problems], source="plan_training")
+    profile = Lengths.of(lengths, mean_len, max_len)
+    return PlanRequest(model, profile.max_len if profile else seq_len, target_batch_size, device,
+                       num_gpus, method, headroom, max_memory, task, num_nodes, engine,
+                       host_memory, dict(constraints), cuda_version=cuda_version,
+                       trainer=trainer, lengths=profile)
 
 
-def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: Any = None,
+def plan_training(model: Any, *, seq_len: int | None = None, target_batch_size: int,
+                  device: Any = None,
                   num_gpus: int | None = None, method: str = "auto", headroom: float | None = None,
                   max_memory: int | str | None = None, task: str | None = None,
                   num_nodes: int = 1, engine: str = "auto", host_memory: int | str | None = None,
                   cuda_version: str | None = None, trainer: str | None = None,
+                  lengths: Any = None, mean_len: float | None = None, max_len: int | None = None,
                   **constraints: Any) -> Plan:
     """Choose the fastest setup whose predicted ``device_used`` fits the memory budget.
 
@@ -125,11 +140,16 @@ def plan_training(model: Any, *, seq_len: int, target_batch_size: int, device: A
     fused head, DPO's chosen+rejected rows and reference model); ``constraints`` may then pin
     that config's fields (``packing=True``), ``max_length`` is ``seq_len`` unless pinned, and
     ``to_training_args()`` builds the trainer's config (or ``apply_to`` your own).
+    ``lengths`` (the rows' token counts) or ``mean_len`` + ``max_len``, with ``trainer="sft"``
+    and instead of ``seq_len``: micro-batches are planned in tokens, padded (peaking at the
+    longest row) or padding-free (the rows flattened; peaking at the most tokens a micro-batch
+    can hold) where the model's attention takes sequence boundaries from ``position_ids``.
     """
     req = _request(model, seq_len=seq_len, target_batch_size=target_batch_size, device=device,
                    num_gpus=num_gpus, method=method, headroom=headroom, max_memory=max_memory,
                    task=task, num_nodes=num_nodes, engine=engine, host_memory=host_memory,
-                   cuda_version=cuda_version, trainer=trainer, **constraints)
+                   cuda_version=cuda_version, trainer=trainer, lengths=lengths,
+                   mean_len=mean_len, max_len=max_len, **constraints)
     req.raise_problems("plan_training")
     s, cands = search_for(req)
     return _finish(s, cands, s.run(cands))

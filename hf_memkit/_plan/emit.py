@@ -64,6 +64,8 @@ def training_args(c: Candidate, ctx: ArgsContext, eval_batch: int | None = None)
         for k, v in t.emit(t.name in c.techniques and not owned, ctx.pins).items():
             # a dict merges into another technique's (offload into checkpointing's kwargs)
             ta[k] = {**ta[k], **v} if isinstance(v, dict) and isinstance(ta.get(k), dict) else v
+    if c.padding_free:  # TRL: padding-free without packing takes the rows as they are
+        ta.update(padding_free=True, max_length=None)
     ta.update(engine.emit(rung, EmitContext(
         ranks=ctx.ranks, micro_batch=c.micro_batch, grad_accum=c.grad_accum,
         precision=c.precision, checkpointing=c.checkpointing, hidden=ctx.hidden,

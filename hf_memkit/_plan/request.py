@@ -74,6 +74,7 @@ class PlanRequest:
     partial: bool = False
     cuda_version: str | None = None
     trainer: str | None = None        # a registered trainer (_trainers); None: Trainer
+    lengths: Any = None               # _plan.lengths.Lengths: the rows' lengths (SFT)
 
     # -- derived ------------------------------------------------------------------------------
     @property

@@ -10,6 +10,7 @@ after every mixed-precision setup, so checkpointing and checkpoint offload come 
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import NoReturn
@@ -19,6 +20,7 @@ from .._estimate import MemoryEstimate, TraceCache, estimate_for
 from .._estimate.phases import states_for
 from .._methods import Method
 from .._setup import TrainingSetup, normalize_args
+from .._trainers.packing import with_lengths
 from .._units import format_bytes
 from .cost import Shape, cost
 from .emit import ArgsContext, training_args
@@ -50,8 +52,10 @@ class Search:
     def setup_of(self, c: Candidate, eval_batch: int | None = None) -> TrainingSetup:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return normalize_args(training_args(c, self.ctx, eval_batch), source="plan",
-                                  num_gpus=self.req.ranks, trainer=self.req.trainer)
+            setup = normalize_args(training_args(c, self.ctx, eval_batch), source="plan",
+                                   num_gpus=self.req.ranks, trainer=self.req.trainer)
+        rows = self.req.lengths.rows if c.padding_free and self.req.lengths else ()
+        return with_lengths(setup, rows, None)[0] if rows else setup
 
     def estimate(self, c: Candidate, *, exact: bool = True, stage: str = "train",
                  setup: TrainingSetup | None = None, probe: bool = False) -> MemoryEstimate:
@@ -75,7 +79,7 @@ class Search:
         setup = self._states_setup(c)
         rs, _ = states_for(spec, setup, self.req.dev)
         n_trainable = sum(p.numel for p in spec.states()[1])
-        c.rel_time = cost(c, self.shape, n_trainable=n_trainable, dev=self.req.dev,
+        c.rel_time = cost(c, self._shape(c), n_trainable=n_trainable, dev=self.req.dev,
                           sharding=setup.sharding)
         per_node = rs.host * (self.req.ranks // self.req.nodes)
         if self.host_budget is not None and per_node > self.host_budget:
@@ -85,6 +89,14 @@ class Search:
             c.reason = (f"weights + gradients + optimizer state alone need "
                         f"{format_bytes(rs.model_states + rs.buckets)} > budget "
                         f"{format_bytes(self.budget)}")
+
+    def _shape(self, c: Candidate) -> Shape:
+        """The cost model's shape, with the tokens a sample really costs (_plan.lengths)."""
+        lengths = self.req.lengths
+        if lengths is None:
+            return self.shape
+        tokens = lengths.mean_len if c.padding_free else lengths.padded_tokens(c.micro_batch)
+        return dataclasses.replace(self.shape, seq_len=max(1, round(tokens)))
 
     # -- the search ---------------------------------------------------------------------------
     def _try(self, c: Candidate, *, probe: bool = False) -> bool:

@@ -22,6 +22,7 @@ from .._model.spec import ModelSpec, resolve_model
 from .._optimizers import get_optimizer_profile, planner_optimizers
 from .._techniques import TECHNIQUES, Technique, searched
 from .._techniques.checkpointing import NAME as CHECKPOINTING
+from .lengths import padding_free_choices
 from .request import PlanRequest
 
 SINGLE = Rung("single", "1 GPU", "none")
@@ -52,6 +53,7 @@ class Candidate:
     estimate: MemoryEstimate | None = field(default=None, repr=False)
     parallel: str = "single"         # a Rung name: single | pinned | ddp | fsdp-* | zero*
     techniques: tuple[str, ...] = ()  # searched techniques that are on (_techniques)
+    padding_free: bool = False        # SFT rows flattened into one (_plan.lengths)
 
     def __post_init__(self) -> None:
         if self.checkpointing and CHECKPOINTING not in self.techniques:
@@ -63,6 +65,7 @@ class Candidate:
         if self.parallel != "single":
             parts.insert(0, rung_of(self.parallel).label)
         parts += [TECHNIQUES.get(t).display for t in self.techniques]
+        parts += ["padding-free"] if self.padding_free else []
         parts.append(f"micro-batch {self.micro_batch} x {self.grad_accum}")
         return ", ".join(parts)
 
@@ -219,15 +222,18 @@ def candidates(req: PlanRequest, methods: list[Method], book: SpecBook,
                notes: list[str]) -> list[Candidate]:
     """Every setup of the search, not yet priced or estimated."""
     combos = technique_combos(technique_choices(req, book.base.model_cls, notes))
-    out = []
+    out, batching = [], {}
     for meth in methods:
         for rung, precision, optim in _rung_precision_optim(req, meth):
             attn = attention(book.base, req.dev, precision)[0]
+            if attn not in batching:
+                batching[attn] = padding_free_choices(req, book.base.model_cls, attn, notes)
             owned = ENGINES.get(rung.engine).owns_checkpointing
             for on in combos:
                 if owned and any(CHECKPOINTING in TECHNIQUES.get(n).requires for n in on):
                     continue  # the engine configures checkpointing (and its offload) itself
                 out += [Candidate(meth.name, precision, optim, CHECKPOINTING in on, mb,
                                   req.per_rank // mb, attn, 0.0, parallel=rung.name,
-                                  techniques=on) for mb in req.micro_batches()]
+                                  techniques=on, padding_free=pf)
+                        for pf in batching[attn] for mb in req.micro_batches()]
     return out
