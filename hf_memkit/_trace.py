@@ -94,6 +94,7 @@ class TraceResult:
     events: EventLog | None = None       # CUDA targets: allocations and frees, for the replay
     trainable: tuple[int, ...] = ()      # bytes of each trainable parameter, in model order
     reference: int = 0                   # weights of a reference model copy (in ``weights``)
+    host: int = 0                        # pinned host bytes a trainer's offloading held at once
 
     @property
     def peak(self) -> int:
@@ -441,4 +442,4 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
                        inputs=inputs, phases=phases, categories=categories,
                        seconds=time.perf_counter() - t0, sdpa_kernels=tuple(kernels),
                        events=log, trainable=tuple(p.numel() * p.element_size() for p in params),
-                       reference=ref_bytes)
+                       reference=ref_bytes, host=trainer.host_peak() if trainer else 0)

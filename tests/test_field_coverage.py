@@ -42,7 +42,6 @@ NON_DEFAULT = {
     "model_init_kwargs": {"dtype": "bfloat16"}, "router_aux_loss_coef": 0.0,
     "eval_packing": True, "completion_only_loss": True, "assistant_only_loss": True,
     "disable_dropout": False, "precompute_ref_batch_size": 64, "ld_alpha": 0.5,
-    "activation_offloading": True,
 }
 
 

@@ -42,6 +42,7 @@ class Excess:
     # the caching-allocator replay (``allocation``); its results memoised by key
     replays: tuple[tuple[int, list, tuple[int, ...]], ...] = ()
     replayed: dict = field(default_factory=dict, repr=False, compare=False)
+    host: int = 0                          # pinned host bytes of a trainer's offloading (TRL)
 
 
 def technique_hooks(setup: TrainingSetup) -> list[Any]:
@@ -105,19 +106,20 @@ def trace_excess(spec: ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: 
         cats = {name: {k: c.get(k, 0) for k in CATEGORIES} for name, c in r.categories.items()}
         replay = ((n, r.events.events, r.trainable),) if r.events is not None else ()
         inputs = r.inputs // traced * accum if stage != "eval" else r.inputs
-        return out, cats, inputs, r.seconds, r.sdpa_kernels, replay
+        return out, cats, inputs, r.seconds, r.sdpa_kernels, replay, r.host
 
     if full <= FULL_TRACE_MAX_LAYERS or setup.checkpoint_every_n_layers > 1:
-        ph, cats, inp, secs, kernels, rep = excess(full)
-        return Excess(ph, cats, inp, secs, (full,), sdpa_kernels=kernels, replays=rep)
+        ph, cats, inp, secs, kernels, rep, host = excess(full)
+        return Excess(ph, cats, inp, secs, (full,), sdpa_kernels=kernels, replays=rep,
+                      host=host)
     k1, k2 = EXTRAPOLATE_AT
-    ph1, c1, inp, s1, kernels, rep1 = excess(k1)
-    ph2, c2, _, s2, _, rep2 = excess(k2)
+    ph1, c1, inp, s1, kernels, rep1, h1 = excess(k1)
+    ph2, c2, _, s2, _, rep2, h2 = excess(k2)
     scale = (full - k1) / (k2 - k1)
     phases = {k: _lin(ph1[k], ph2[k], scale) for k in ph1}
     cats = {k: {c: max(0, _lin(c1[k][c], c2[k][c], scale)) for c in c1[k]} for k in c1}
     return Excess(phases, cats, inp, s1 + s2, (k1, k2), sdpa_kernels=kernels,
-                  replays=rep1 + rep2)
+                  replays=rep1 + rep2, host=max(0, _lin(h1, h2, scale)))
 
 
 class TraceCache:
@@ -175,7 +177,7 @@ class TraceCache:
             phases = e.phases if setup.grad_accum > 1 else {
                 p: v for p, v in e.phases.items() if not p.endswith("_accum")}
             e = Excess(phases, e.categories, e.inputs // accum * setup.grad_accum, e.seconds,
-                       e.layers, e.lower_bound, e.sdpa_kernels, e.replays, e.replayed)
+                       e.layers, e.lower_bound, e.sdpa_kernels, e.replays, e.replayed, e.host)
         return e
 
     def probe(self, spec: ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: str,
@@ -198,7 +200,7 @@ class TraceCache:
                                           forward_only=True, target=target)
         e = self._store[k]
         return Excess(dict(e.phases), e.categories, e.inputs * setup.grad_accum, e.seconds,
-                      e.layers, lower_bound=True, sdpa_kernels=e.sdpa_kernels)
+                      e.layers, lower_bound=True, sdpa_kernels=e.sdpa_kernels, host=e.host)
 
 
 def _batch_lower_bound(e1: Excess, e2: Excess, batch: int) -> Excess:
@@ -206,7 +208,8 @@ def _batch_lower_bound(e1: Excess, e2: Excess, batch: int) -> Excess:
     return Excess({k: _lin(e1.phases[k], e2.phases[k], m) for k in e1.phases},
                   {p: {c: max(0, _lin(e1.categories[p][c], e2.categories[p][c], m))
                        for c in e1.categories[p]} for p in e1.categories},
-                  _lin(e1.inputs, e2.inputs, m), 0.0, e1.layers, lower_bound=True)
+                  _lin(e1.inputs, e2.inputs, m), 0.0, e1.layers, lower_bound=True,
+                  host=max(0, _lin(e1.host, e2.host, m)))
 
 
 def _raised_by_transformers(exc: BaseException) -> bool:

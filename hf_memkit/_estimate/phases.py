@@ -276,6 +276,10 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
                          model_states=rs.model_states, weights=rs.weights)
     allocated, reserved, used, rel = terms.allocated, terms.reserved, terms.used, terms.rel_sigma
     notes += terms.notes + _kernel_note(ex, target)
+    if ex.host:
+        notes.append(f"TRL's activation offloading keeps {format_bytes(ex.host)} of saved "
+                     "activations in pinned host memory at once (the device keeps the last "
+                     "few it copied, and in the backward the ones two autograd nodes use)")
     if om.paged:
         parts["optimizer_paged"] = om.paged
     return MemoryEstimate(
@@ -283,7 +287,7 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
         breakdown={k: int(v) for k, v in parts.items()}, peak_phase=phase, stage=stage,
         device=dev, setup=setup, seq_len=seq_len, uncertainty=rel, notes=notes,
         trace_seconds=ex.seconds, traced_layers=ex.layers, model_states=int(rs.model_states),
-        host_offloaded=int(rs.host) + technique_host_bytes(
+        host_offloaded=int(rs.host) + ex.host + technique_host_bytes(
             spec, setup, seq_len, device_kind=dev.kind, stage=stage),
         lower_bound=ex.lower_bound, cuda_version=runtime.version if runtime else None,
         margin=terms.margin)

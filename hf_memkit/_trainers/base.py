@@ -39,15 +39,37 @@ class BatchShape(NamedTuple):
 class TraceStep:
     """How a trainer runs one micro-step, for the fake-tensor trace (``_trace.trace_step``).
 
-    The default is ``transformers.Trainer``: the model's own loss from ``labels``."""
+    The default is ``transformers.Trainer``: the model's own loss from ``labels``. A TRL step
+    with ``activation_offloading`` runs under TRL's offloading hooks (``offload``), whose pinned
+    host bytes ``host_peak`` reports."""
+
+    title = "Trainer"
+
+    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
+        from .offload import ActivationOffload
+
+        self.offload = ActivationOffload(self.title) \
+            if (options or {}).get("activation_offloading") else None
 
     def prepare(self, model: Any, *, adapters: bool) -> None:
         """Patch the fake (base) model as the trainer does before training."""
+        if self.offload is not None:
+            self.offload.watch(model)
+
+    def kernels(self, target: Any) -> Any:
+        """What replaces the trainer's GPU kernels on the trace (``target``: None for a CPU)."""
+        return contextlib.nullcontext()
 
     @contextlib.contextmanager
     def context(self, target: Any) -> Iterator[None]:
         """Around each traced micro-step (``target``: the CUDA target, or None for this CPU)."""
-        yield
+        with self.kernels(target), \
+                self.offload(target) if self.offload is not None else contextlib.nullcontext():
+            yield
+
+    def host_peak(self) -> int:
+        """Pinned host bytes the last traced step's offloading held at once."""
+        return self.offload.host_peak if self.offload is not None else 0
 
     def loss(self, model: Any, batch: dict[str, Any], reference: Any = None) -> Any:
         """The micro-step's loss (a scalar the trace backpropagates); ``reference``: the
@@ -102,12 +124,6 @@ def padded_length(o: Mapping[str, Any], seq: int) -> int:
     """``seq`` rounded up to the config's ``pad_to_multiple_of`` (its collators pad so)."""
     m = o.get("pad_to_multiple_of")
     return -(-seq // m) * m if m else seq
-
-
-def offload_unmodelled(o: Mapping[str, Any]) -> list[str]:
-    """TRL's ``activation_offloading`` (saved tensors to host memory): warned, not modelled."""
-    return ["activation_offloading: TRL moves saved activations to host memory"] \
-        if o.get("activation_offloading") else []
 
 
 TRAINERS: Registry[TrainerKind] = Registry(

@@ -12,7 +12,9 @@ Read from ``DPOTrainer.__init__`` / ``_compute_loss`` and ``DataCollatorForPrefe
     adapters disabled ("adapters"), ``precompute_ref_log_probs=True`` keeps none during
     training, and otherwise a frozen copy of the policy ("copy") is loaded; a user's own
     ``ref_model`` is a copy. The reference forward runs under ``torch.no_grad()`` after the
-    policy's forward, while the policy's activations are alive, through its own fused head.
+    policy's forward, while the policy's activations are alive, through its own fused head;
+  * ``activation_offloading``: as ``SFTTrainer`` (``offload``); the reference forward saves
+    nothing (no grad), so only the policy's activations go to the host.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .base import BatchShape, TraceStep, TrainerKind, offload_unmodelled, padded_length, register
+from .base import BatchShape, TraceStep, TrainerKind, padded_length, register
 from .fused_head import DPO_OUTPUTS, add_head, fold_context
 from .liger import liger_layers_only
 
@@ -49,19 +51,23 @@ def reference(o: Mapping[str, Any], adapters: bool) -> str | None:
 
 
 class DPOStep(TraceStep):
+    title = "DPOTrainer"
+
     def __init__(self, options: Mapping[str, Any]) -> None:
+        super().__init__(options)
         self.outputs = DPO_OUTPUTS + (("log_sum_sq_probs",) if options.get("use_weighting")
                                       else ())
         self.precomputed = bool(options.get("precompute_ref_log_probs")) and \
             not options.get("ref_model")
 
     def prepare(self, model: Any, *, adapters: bool) -> None:
+        super().prepare(model, adapters=adapters)
         add_head(model, self.outputs)
 
     def prepare_reference(self, model: Any) -> None:
         add_head(model)                     # DPOTrainer: add_fused_lm_head(self.ref_model)
 
-    def context(self, target: Any) -> Any:
+    def kernels(self, target: Any) -> Any:
         return fold_context(target)
 
     def loss(self, model: Any, batch: dict[str, Any], reference: Any = None) -> Any:
@@ -92,4 +98,4 @@ register(TrainerKind(
     fields=("max_length", "precompute_ref_log_probs", "use_weighting", "pad_to_multiple_of",
             "padding_free", "activation_offloading", "loss_type"),
     seq_len=lambda o: o.get("max_length"), shape=_shape, step=DPOStep, reference=reference,
-    notes=_notes, unmodelled=offload_unmodelled, adjust=liger_layers_only))
+    notes=_notes, adjust=liger_layers_only))

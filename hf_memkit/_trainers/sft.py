@@ -11,8 +11,8 @@ Read from ``SFTTrainer.__init__`` / ``compute_loss`` and ``DataCollatorForLangua
     flattens the micro-batch into one row with ``position_ids`` and no attention mask: its
     tokens are what the rows hold, not rows x the longest; packing fills each sequence up to
     ``max_length``. ``pad_to_multiple_of`` rounds a padded batch's length up;
-  * ``activation_offloading`` moves saved activations to host memory on CUDA
-    (``trl/models/activation_offloading.py``): not modelled, warned.
+  * ``activation_offloading`` moves saved activations to pinned host memory on CUDA
+    (``trl/models/activation_offloading.py``; ``offload``), refused on a CPU.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .base import BatchShape, TraceStep, TrainerKind, offload_unmodelled, padded_length, register
+from .base import BatchShape, TraceStep, TrainerKind, padded_length, register
 from .fused_head import SFT_OUTPUTS, add_head, fold_context
 from .liger import liger_layers_only
 
@@ -47,13 +47,17 @@ def _shape(o: Mapping[str, Any], batch: int, seq: int) -> BatchShape:
 
 
 class SFTStep(TraceStep):
+    title = "SFTTrainer"
+
     def __init__(self, options: Mapping[str, Any]) -> None:
+        super().__init__(options)
         self.dft = options.get("loss_type") == "dft"
 
     def prepare(self, model: Any, *, adapters: bool) -> None:
+        super().prepare(model, adapters=adapters)
         add_head(model, SFT_OUTPUTS)
 
-    def context(self, target: Any) -> Any:
+    def kernels(self, target: Any) -> Any:
         return fold_context(target)
 
     def loss(self, model: Any, batch: dict[str, Any], reference: Any = None) -> Any:
@@ -83,4 +87,4 @@ register(TrainerKind(
     fields=("max_length", "packing", "packing_strategy", "padding_free", "loss_type",
             "pad_to_multiple_of", "activation_offloading"),
     seq_len=lambda o: o.get("max_length"), shape=_shape, step=SFTStep, notes=_notes,
-    unmodelled=offload_unmodelled, adjust=liger_layers_only))
+    adjust=liger_layers_only))
