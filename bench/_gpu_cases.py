@@ -5,11 +5,13 @@ anywhere. Models are built from configs with random weights (no downloads): bund
 ``hf_memkit/model_configs`` (read as JSON here) or public ``config.json`` hyperparameters written
 below (Qwen2.5-0.5B / 1.5B, gpt2-medium, t5-base), some shortened to keep the matrix short.
 
-Sizes are picked so that the whole matrix runs in about 5 minutes on one H100 (8 minutes at
-most): 35 cases without bitsandbytes, each ~6-12 s, almost all of it the child process's start
-(imports, CUDA context, model init on the GPU); the 3 measured steps of every case take well
-under 2 s of GPU time (the largest, Qwen2.5-1.5B at 4 x 1024 tokens with checkpointing, does
-~50 TFLOP per step).
+Sizes are picked so that the whole matrix runs in about 6.5 minutes on one H100 (8 minutes at
+most): 47 cases, 43 without bitsandbytes, each ~6-12 s (the 7 TRL / Liger ones ~10-15 s: TRL's
+import and dataset preparation), almost all of it the child process's start (imports, CUDA
+context, model init on the GPU); the 3 measured steps of every case take well under 2 s of GPU
+time (the largest, Qwen2.5-1.5B at 4 x 1024 tokens with checkpointing, does ~50 TFLOP per step).
+The TRL cases (``trainer="sft"`` / ``"dpo"``) need ``trl``, the Liger ones ``liger_kernel``;
+each runs only where its needs import, and Liger / TRL activation offloading only on a GPU.
 """
 
 from __future__ import annotations
@@ -26,9 +28,13 @@ FAMILIES = ("llama", "qwen2", "gpt2", "bert-cls", "t5")
 PRECISIONS = ("fp32", "amp_bf16", "amp_fp16", "pure_bf16")
 METHODS = ("full", "lora", "qlora")
 STAGES = ("train", "forward_backward")
+# transformers.Trainer, trl.SFTTrainer, trl.DPOTrainer
+TRAINERS = ("trainer", "sft", "dpo")
 # optimizer each method/optim needs beyond torch + transformers (+ peft for LoRA)
 OPTIM_NEEDS = {"adamw_bnb_8bit": ("bitsandbytes",)}
 METHOD_NEEDS = {"full": (), "lora": ("peft",), "qlora": ("peft", "bitsandbytes")}
+TRAINER_NEEDS = {"trainer": (), "sft": ("trl",), "dpo": ("trl",)}
+LIGER_NEEDS = ("liger_kernel",)
 # TrainingArguments fields of each precision; pure_bf16 loads the weights in bf16 instead
 PRECISION_ARGS = {"fp32": {}, "amp_bf16": {"bf16": True}, "amp_fp16": {"fp16": True},
                   "pure_bf16": {}}
@@ -139,6 +145,14 @@ class Case:
     method: str = field(default="full", metadata={"help": "One of METHODS."})
     steps: int = field(default=3, metadata={
         "help": "Optimizer steps (train) or forward+backward passes; steps 2.. are measured."})
+    trainer: str = field(default="trainer", metadata={
+        "help": "One of TRAINERS: transformers.Trainer, trl.SFTTrainer or trl.DPOTrainer "
+                "(SFTConfig / DPOConfig with max_length = seq_len; for DPO each chosen / "
+                "rejected row is at most seq_len tokens)."})
+    liger: bool = field(default=False, metadata={
+        "help": "use_liger_kernel=True (Liger's Triton kernels: a GPU only)."})
+    trl_offload: bool = field(default=False, metadata={
+        "help": "TRL's activation_offloading=True (sft / dpo only; needs an accelerator)."})
 
     def __post_init__(self) -> None:
         problems = []
@@ -153,6 +167,16 @@ class Case:
             problems.append("forward_backward cases are plain fp32 / pure_bf16 full models")
         if self.offload and not self.ckpt:
             problems.append("offload moves checkpointed inputs: it needs ckpt=True")
+        if self.trainer not in TRAINERS:
+            problems.append(f"trainer `{self.trainer}` not in {TRAINERS}")
+        elif self.trainer != "trainer" and (self.task != "causal-lm" or self.stage != "train"):
+            problems.append(f"trainer `{self.trainer}` (TRL) trains causal LMs: task causal-lm, "
+                            "stage train")
+        if self.trl_offload and self.trainer not in ("sft", "dpo"):
+            problems.append("trl_offload is TRL's activation_offloading: it needs trainer "
+                            "'sft' or 'dpo'")
+        if self.liger and self.stage != "train":
+            problems.append("liger is a Trainer argument (use_liger_kernel): it needs stage train")
         if self.steps < 2:
             problems.append("steps must be >= 2 (step 1 is warm-up, steps 2.. are measured)")
         if problems:
@@ -160,27 +184,34 @@ class Case:
 
     @property
     def family(self) -> str:
-        return MODELS[self.model].family
+        return MODELS[self.model].family if self.model in MODELS else "?"
 
     @property
     def task(self) -> str:
-        return MODELS[self.model].task
+        return MODELS[self.model].task if self.model in MODELS else "?"
 
     @property
     def needs(self) -> tuple[str, ...]:
         """Python modules the case needs beyond torch, transformers and accelerate."""
         extra = OPTIM_NEEDS.get(self.optim, ()) if self.stage == "train" else ()
-        return tuple(dict.fromkeys(METHOD_NEEDS[self.method] + extra))
+        return tuple(dict.fromkeys(METHOD_NEEDS[self.method] + TRAINER_NEEDS[self.trainer]
+                                   + (LIGER_NEEDS if self.liger else ()) + extra))
 
     @property
     def id(self) -> str:
         parts = [self.model, self.precision]
+        if self.trainer != "trainer":
+            parts.append(self.trainer)
         if self.method != "full":
             parts.append(self.method)
         parts.append(self.optim if self.stage == "train" else "fwd-bwd")
         parts.append(self.attn or "default-attn")
+        if self.liger:
+            parts.append("liger")
         if self.ckpt:
             parts.append("ckpt-offload" if self.offload else "ckpt")
+        if self.trl_offload:
+            parts.append("trl-offload")
         if self.accum > 1:
             parts.append(f"acc{self.accum}")
         shape = f"b{self.batch}s{self.seq_len}" + (f"t{self.target_len}" if self.target_len else "")
@@ -189,12 +220,14 @@ class Case:
     def settings(self) -> dict[str, Any]:
         """What ``--list`` shows: every setting, the family and what the case needs."""
         return {"family": self.family, "model": self.model, "task": self.task,
-                "precision": self.precision, "method": self.method,
+                "trainer": self.trainer, "precision": self.precision, "method": self.method,
                 "optim": self.optim if self.stage == "train" else "none",
                 "attn": self.attn or "default",
                 "ckpt": ("offload" if self.offload else "on") if self.ckpt else "off",
                 "accum": self.accum, "batch": self.batch, "seq": self.seq_len,
                 "target": self.target_len or "-", "stage": self.stage, "steps": self.steps,
+                "liger": "on" if self.liger else "off",
+                "trl_offload": "on" if self.trl_offload else "off",
                 "attn_dropout": MODELS[self.model].attention_dropout(),
                 "needs": ",".join(self.needs) or "-"}
 
@@ -272,6 +305,15 @@ CASES: tuple[Case, ...] = (
     _c("t5-220m", "fp32", batch=8, **T5_SHAPE),
     _c("t5-220m", "amp_bf16", "adafactor", batch=16, ckpt=True, **T5_SHAPE),
     _c("t5-220m", "amp_bf16", "adamw_torch_fused", batch=8, accum=2, **T5_SHAPE),
+    # TRL's SFTTrainer / DPOTrainer (their fused log-prob head), Liger kernels, TRL's activation
+    # offloading (saved activations in pinned host memory)
+    _c("llama-160m", "amp_bf16", trainer="sft"),
+    _c("llama-160m", "amp_bf16", trainer="sft", trl_offload=True),
+    _c("llama-160m", "amp_bf16", trainer="sft", liger=True),
+    _c("llama-160m", "amp_bf16", "adamw_torch_fused", batch=8, liger=True),
+    _c("llama-160m", "amp_bf16", trainer="dpo", method="lora", seq_len=512),
+    _c("llama-160m", "amp_bf16", trainer="dpo", trl_offload=True),
+    _c("qwen2-0.5b", "amp_bf16", trainer="sft", liger=True, ckpt=True),
 )
 
 

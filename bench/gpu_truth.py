@@ -1,5 +1,5 @@
-"""GPU ground truth: real ``transformers.Trainer`` runs on one CUDA GPU, measured, next to the
-estimate hf_memkit makes of the same run.
+"""GPU ground truth: real ``transformers.Trainer`` runs (and TRL's ``SFTTrainer`` /
+``DPOTrainer``) on one CUDA GPU, measured, next to the estimate hf_memkit makes of the same run.
 
     python bench/gpu_truth.py [--out DIR] [--only SUBSTR ...] [--timeout S] [--list]
 
@@ -26,10 +26,17 @@ added: reserved + context + workspaces); both raw values are recorded. NVML come
 Output: one JSON file in ``bench/results/gpu/`` (or ``--out``), named after GPU, torch and date,
 rewritten after every case so an interrupted run keeps what it measured; then a table of the
 relative error (predicted / measured - 1) of allocated, reserved and device_used.
-Without a CUDA GPU it says so and exits 0. bitsandbytes, deepspeed and TRL are never imported at
-top level; cases that need bitsandbytes (8-bit AdamW, QLoRA) run only where it imports.
+Without a CUDA GPU it says so and exits 0. bitsandbytes, deepspeed, TRL and Liger are never
+imported at top level; a case runs only where what it needs imports (``Case.needs``: bitsandbytes
+for 8-bit AdamW and QLoRA, ``trl`` for ``trainer="sft"`` / ``"dpo"``, ``liger_kernel`` for
+``use_liger_kernel``), else it is recorded as skipped. TRL cases train through
+``hf_memkit._train_trl`` (what ``hf-memkit train`` builds): ``SFTConfig`` / ``DPOConfig`` with
+``max_length = seq_len``, SFT rows of ``seq_len`` pre-tokenized tokens, DPO pairs whose prompt +
+chosen is ``seq_len`` tokens (rejected one shorter), DPO's reference the LoRA policy's own
+adapters, else a frozen copy.
 ``--cpu-smoke`` runs the selected cases shrunk, on the CPU, to check the plumbing (tests only:
-its measurements are zeros).
+its measurements are zeros); it records Liger and TRL activation-offloading cases as skipped
+(Triton kernels; ``OffloadActivations`` needs an accelerator).
 """
 
 from __future__ import annotations
@@ -72,7 +79,7 @@ METRICS = ("allocated", "reserved", "device_used")
 SAMPLE_INTERVAL_S = 0.005
 # imported by the probe child (cases and hf_memkit need them); the heavy ones only looked up
 IMPORT_CHECK = ("peft", "bitsandbytes", "pynvml", "rich", "yaml", "psutil", "hf_memkit")
-LOOKUP_ONLY = ("deepspeed", "trl")
+LOOKUP_ONLY = ("deepspeed", "trl", "liger_kernel")
 AUTO_CLASS = {"causal-lm": "AutoModelForCausalLM",
               "sequence-classification": "AutoModelForSequenceClassification",
               "seq2seq-lm": "AutoModelForSeq2SeqLM"}
@@ -425,20 +432,27 @@ def collate(xs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def memory_args(case: Case, fields: set[str] | dict[str, Any]) -> dict[str, Any]:
-    """The TrainingArguments fields that set the run's memory (also given to the estimate).
-    Checkpointing goes under the installed version's field name (transformers 5 renamed it)."""
+    """The TrainingArguments (SFTConfig / DPOConfig) fields that set the run's memory (also given
+    to the estimate). Checkpointing goes under the installed version's field name (transformers 5
+    renamed it). TRL's configs default to bf16 and checkpointing on: a TRL case states both."""
+    ckpt = ("activation_checkpointing" if "activation_checkpointing" in fields
+            else "gradient_checkpointing")
     a: dict[str, Any] = {"per_device_train_batch_size": case.batch,
                          "gradient_accumulation_steps": case.accum,
                          **PRECISION_ARGS[case.precision]}
     if case.stage == "train":
         a["optim"] = case.optim
     if case.ckpt:
-        name = ("activation_checkpointing" if "activation_checkpointing" in fields
-                else "gradient_checkpointing")
-        a[name] = True
-        a[name + "_kwargs"] = {"use_reentrant": False}
+        a[ckpt] = True
+        a[ckpt + "_kwargs"] = {"use_reentrant": False}
         if case.offload:  # checkpointed layer inputs in pinned host memory
-            a[name + "_kwargs"]["offload"] = True
+            a[ckpt + "_kwargs"]["offload"] = True
+    if case.liger:
+        a["use_liger_kernel"] = True
+    if case.trainer != "trainer":  # DPO: the longest chosen / rejected row (prompt included)
+        a = {"bf16": False, ckpt: False, **a, "max_length": case.seq_len}
+        if case.trl_offload:  # TRL's saved-activation offloading to pinned host memory
+            a["activation_offloading"] = True
     return a
 
 
@@ -452,24 +466,54 @@ def _window_callback(window: Window) -> Any:
     return _WindowCallback()
 
 
+def args_class(case: Case) -> type:
+    """``TrainingArguments``, or TRL's ``SFTConfig`` / ``DPOConfig`` for a TRL case."""
+    if case.trainer == "trainer":
+        import transformers
+
+        return transformers.TrainingArguments
+    import trl
+
+    return {"sft": trl.SFTConfig, "dpo": trl.DPOConfig}[case.trainer]
+
+
+def trl_trainer(case: Case, model: Any, args: Any, data: list[dict[str, Any]],
+                callbacks: list[Any]) -> Any:
+    """TRL's trainer as ``hf-memkit train`` builds it (``hf_memkit._train_trl``): SFT over the
+    rows' ``input_ids`` (``seq_len`` tokens, pre-tokenized), DPO over ``preference_pair`` s made
+    from them; both with the in-memory ``word_tokenizer``."""
+    from hf_memkit._train_trl import dpo_trainer, sft_trainer
+
+    if case.trainer == "dpo":
+        return dpo_trainer(model=model, args=args, rows=data, callbacks=callbacks)
+    return sft_trainer(model=model, args=args, rows=data, processing_class=None,
+                       callbacks=callbacks)
+
+
 def train(case: Case, model: Any, data: list[dict[str, Any]], window: Window, workdir: str,
           smoke: bool) -> dict[str, Any]:
-    """``case.steps`` optimizer steps of the real Trainer, nothing logged, saved or evaluated."""
+    """``case.steps`` optimizer steps of the real Trainer (or TRL's), nothing logged, saved or
+    evaluated."""
     import transformers
 
-    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    cls = args_class(case)
+    fields = {f.name for f in dataclasses.fields(cls)}
     run = {"output_dir": os.path.join(workdir, "out"), "max_steps": case.steps,
            "report_to": "none", "save_strategy": "no", "logging_strategy": "no",
            "eval_strategy": "no", "disable_tqdm": True, "dataloader_num_workers": 0,
            "learning_rate": 1e-4, "seed": 0, "use_cpu": smoke}
-    args = transformers.TrainingArguments(**memory_args(case, fields),
-                                          **{k: v for k, v in run.items() if k in fields})
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
-                                   data_collator=collate, callbacks=[_window_callback(window)])
+    args = cls(**memory_args(case, fields), **{k: v for k, v in run.items() if k in fields})
+    callbacks = [_window_callback(window)]
+    if case.trainer == "trainer":
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                       data_collator=collate, callbacks=callbacks)
+    else:
+        trainer = trl_trainer(case, model, args, data, callbacks)
     trainer.train()
     opt = trainer.optimizer
     scaler = getattr(trainer.accelerator, "scaler", None)
     return {"optimizer_class": type(getattr(opt, "optimizer", opt)).__name__,
+            "trainer_class": type(trainer).__name__, "args_class": type(args).__name__,
             "grad_scaler_scale": float(scaler.get_scale()) if scaler is not None else None,
             "global_step": trainer.state.global_step}
 
@@ -544,11 +588,12 @@ def estimate_kwargs(case: Case, smoke: bool) -> dict[str, Any]:
         q = case.quantization()
         q["bnb_4bit_compute_dtype"] = getattr(torch, q["bnb_4bit_compute_dtype"])
         quant = transformers.BitsAndBytesConfig(**q)
+    trainer = {"trainer": case.trainer} if case.trainer != "trainer" else {}
     return {"seq_len": case.seq_len, "stage": case.stage, "cuda_version": torch.version.cuda,
             "task": case.task, "target_len": case.target_len,
             "attn_implementation": case.attn,
             "dtype": None if case.method == "qlora" else weights_dtype(case),
-            "peft_config": peft_config, "quantization_config": quant}
+            "peft_config": peft_config, "quantization_config": quant, **trainer}
 
 
 def estimate(case: Case, smoke: bool) -> dict[str, Any]:
@@ -643,6 +688,7 @@ def probe(smoke: bool) -> None:
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "transformers": transformers.__version__, "accelerate": _version("accelerate"),
         "peft": _version("peft"), "bitsandbytes": _version("bitsandbytes"),
+        "trl": _version("trl"), "liger_kernel": _version("liger_kernel"),
         "nvidia-ml-py": _version("nvidia-ml-py"), "python": platform.python_version(),
         "platform": platform.platform(), "cpu_count": os.cpu_count(),
         "matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
@@ -754,10 +800,20 @@ def _error_line(stderr: str) -> str:
     return (errs or lines or ["(no output)"])[-1].strip()[:500]
 
 
-def skipped_record(case: Case, missing: list[str]) -> dict[str, Any]:
+def skipped_record(case: Case, missing: list[str], *, reason: str | None = None
+                   ) -> dict[str, Any]:
+    """A case not run: ``reason``, else the modules it needs that do not import here."""
     return {"id": case.id, "family": case.family, "case": case.to_dict(), "status": "skipped",
-            "error": f"needs {', '.join(missing)}, not importable here", "measured": None,
-            "estimate": None, "rel_error": {}}
+            "error": reason or f"needs {', '.join(missing)}, not importable here",
+            "measured": None, "estimate": None, "rel_error": {}}
+
+
+def cpu_smoke_skip(case: Case) -> str | None:
+    """Why ``--cpu-smoke`` cannot run ``case`` on a CPU (GPU-only settings), or None."""
+    why = [w for on, w in ((case.liger, "Liger's kernels are Triton, GPU only"),
+                           (case.trl_offload, "TRL's activation_offloading (OffloadActivations) "
+                                              "needs an accelerator")) if on]
+    return "--cpu-smoke cannot run it on a CPU: " + "; ".join(why) if why else None
 
 
 def measured_values(rec: dict[str, Any]) -> dict[str, int | None]:
@@ -872,7 +928,13 @@ def list_cases(cases: list[Case]) -> None:
     bnb = sum("bitsandbytes" in c.needs for c in cases)
     here = importlib.util.find_spec("bitsandbytes") is not None
     print(f"{len(cases)} cases; {bnb} need bitsandbytes and run only where it imports "
-          f"(installed here: {'yes' if here else 'no'}); {len(cases) - bnb} run everywhere")
+          f"(installed here: {'yes' if here else 'no'}); {len(cases) - bnb} run without it")
+    counts = ", ".join(f"{sum(m in c.needs for c in cases)} need {m} (installed here: "
+                       f"{'yes' if importlib.util.find_spec(m) is not None else 'no'})"
+                       for m in ("trl", "liger_kernel"))
+    gpu_only = sum(cpu_smoke_skip(c) is not None for c in cases)
+    print(f"{counts}; {gpu_only} (Liger, TRL activation offloading) run only on a GPU, never "
+          "under --cpu-smoke")
 
 
 def run_matrix(cases: list[Case], a: argparse.Namespace) -> int:
@@ -896,7 +958,8 @@ def run_matrix(cases: list[Case], a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     for i, case in enumerate(cases, 1):
         missing = [m for m in case.needs if not env["importable"].get(m)]
-        rec = (skipped_record(case, missing) if missing
+        why = cpu_smoke_skip(case) if a.cpu_smoke else None
+        rec = (skipped_record(case, missing, reason=why) if missing or why
                else run_case(case, timeout=a.timeout, smoke=a.cpu_smoke))
         doc["runs"].append(rec)
         doc["summary"], doc["elapsed_s"] = summarise(doc["runs"]), round(time.perf_counter() - t0)

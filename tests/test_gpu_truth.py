@@ -28,6 +28,10 @@ import _gpu_cases  # noqa: E402  (bench/_gpu_cases.py: the matrix the harness ru
 import gpu_truth  # noqa: E402
 
 BNB = "bitsandbytes"
+SFT = "llama-160m.amp_bf16.sft.adamw_torch.sdpa.b4s1024"
+DPO_LORA = "llama-160m.amp_bf16.dpo.lora.adamw_torch.sdpa.b4s512"
+SFT_OFFLOAD = "llama-160m.amp_bf16.sft.adamw_torch.sdpa.trl-offload.b4s1024"
+LIGER = "llama-160m.amp_bf16.adamw_torch_fused.sdpa.liger.b8s1024"
 
 
 def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 300):
@@ -75,6 +79,79 @@ def test_list_covers_the_required_matrix():
     bert = [r for r in rows if r["family"] == "bert-cls"]
     assert all(r["task"] == "sequence-classification" and r["attn_dropout"] == "0.1"
                for r in bert)
+
+
+def test_trl_and_liger_cases_are_listed_with_what_they_need():
+    p = _run("--list")
+    assert "need trl" in p.stdout and "need liger_kernel" in p.stdout
+    rows = {r["id"]: r for r in _listed()}
+    assert {"trainer", "sft", "dpo"} == {r["trainer"] for r in rows.values()}
+    for r in rows.values():
+        needs = r["needs"].split(",")
+        assert ("trl" in needs) == (r["trainer"] != "trainer"), r
+        assert ("liger_kernel" in needs) == (r["liger"] == "on"), r
+        assert r["trl_offload"] == "off" or r["trainer"] in ("sft", "dpo"), r
+        assert (f".{r['trainer']}." in r["id"]) == (r["trainer"] != "trainer"), r
+        assert (".trl-offload." in r["id"]) == (r["trl_offload"] == "on"), r
+        assert (".liger." in r["id"]) == (r["liger"] == "on"), r
+    for case_id in (SFT, DPO_LORA, SFT_OFFLOAD, LIGER,
+                    "llama-160m.amp_bf16.sft.adamw_torch.sdpa.liger.b4s1024",
+                    "llama-160m.amp_bf16.dpo.adamw_torch.sdpa.trl-offload.b4s1024",
+                    "qwen2-0.5b.amp_bf16.sft.adamw_torch.sdpa.liger.ckpt.b4s1024"):
+        assert case_id in rows, sorted(rows)
+    assert rows[DPO_LORA]["needs"] == "peft,trl" and rows[DPO_LORA]["method"] == "lora"
+    # the plain Trainer cases keep the ids they had before TRL and Liger came in
+    assert {*GPU_CASES, "llama-160m.amp_bf16.adamw_torch_fused.sdpa.ckpt-offload.b8s1024"} \
+        <= set(rows)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"trainer": "grpo"}, "trainer `grpo` not in"),
+    ({"trl_offload": True}, "trl_offload is TRL's activation_offloading"),
+    ({"trainer": "sft", "stage": "forward_backward", "precision": "fp32"}, "trains causal LMs"),
+    ({"liger": True, "stage": "forward_backward", "precision": "fp32"}, "needs stage train"),
+])
+def test_case_rejects_bad_trainer_settings(kw, message):
+    with pytest.raises(ValueError, match=message):
+        _gpu_cases.Case(**{"model": "llama-160m", "precision": "amp_bf16", **kw})
+
+
+def test_trl_cases_train_causal_lms_and_round_trip():
+    with pytest.raises(ValueError, match="trains causal LMs"):
+        _gpu_cases.Case("bert-base-cls", "fp32", trainer="dpo")
+    ok = _gpu_cases.Case("llama-160m", "amp_bf16", trainer="dpo", trl_offload=True, liger=True)
+    assert ok.needs == ("trl", "liger_kernel")
+    assert _gpu_cases.Case.from_dict(ok.to_dict()) == ok
+
+
+def test_memory_args_and_estimate_kwargs_of_trl_and_liger_cases():
+    fields = {"activation_checkpointing", "gradient_checkpointing"}
+    sft = _gpu_cases.select([SFT_OFFLOAD])[0]
+    # TRL's configs default to bf16 and checkpointing on: the case states both
+    assert gpu_truth.memory_args(sft, fields) == {
+        "bf16": True, "activation_checkpointing": False, "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 1, "optim": "adamw_torch", "max_length": 1024,
+        "activation_offloading": True}
+    dpo = _gpu_cases.Case("llama-160m", "fp32", trainer="dpo", ckpt=True, seq_len=512)
+    a = gpu_truth.memory_args(dpo, {"gradient_checkpointing"})
+    assert a["bf16"] is False and a["gradient_checkpointing"] is True and a["max_length"] == 512
+    assert "activation_offloading" not in a
+    liger = gpu_truth.memory_args(_gpu_cases.select([LIGER])[0], fields)
+    assert liger["use_liger_kernel"] is True and "max_length" not in liger
+    assert gpu_truth.estimate_kwargs(dpo, smoke=True)["trainer"] == "dpo"
+    assert "trainer" not in gpu_truth.estimate_kwargs(_gpu_cases.CASES[0], smoke=True)
+
+
+def test_cpu_smoke_skips_only_gpu_only_settings():
+    by_id = {c.id: c for c in _gpu_cases.CASES}
+    assert gpu_truth.cpu_smoke_skip(by_id[SFT]) is None
+    assert gpu_truth.cpu_smoke_skip(by_id[DPO_LORA]) is None
+    assert "Triton" in gpu_truth.cpu_smoke_skip(by_id[LIGER])
+    assert "accelerator" in gpu_truth.cpu_smoke_skip(by_id[SFT_OFFLOAD])
+    assert [c.id for c in _gpu_cases.CASES if gpu_truth.cpu_smoke_skip(c)] == \
+        [c.id for c in _gpu_cases.CASES if c.liger or c.trl_offload]
+    rec = gpu_truth.skipped_record(by_id[LIGER], ["liger_kernel"])
+    assert rec["status"] == "skipped" and rec["error"] == "needs liger_kernel, not importable here"
 
 
 def test_case_ids_are_unique_and_select_exactly_one_case():
@@ -324,13 +401,14 @@ def _smoke(tmp_path: Path, hidden: tuple[str, ...], *only: str):
 def test_cpu_smoke_runs_whole_cases_without_bnb_deepspeed_trl(tmp_path):
     fb, lora = "llama-160m.fp32.fwd-bwd.", "qwen2-0.5b.amp_bf16.lora.adamw_torch.sdpa.ckpt."
     bnb8 = "llama-160m.fp32.adamw_bnb_8bit."
-    p, doc = _smoke(tmp_path, ("bitsandbytes", "deepspeed", "trl"), fb, lora, bnb8)
+    p, doc = _smoke(tmp_path, ("bitsandbytes", "deepspeed", "trl"), fb, lora, bnb8, SFT)
     env = doc["environment"]
     assert not any(env["importable"][m] for m in ("bitsandbytes", "deepspeed", "trl"))
     assert env["importable"]["hf_memkit"] and env["importable"]["peft"]
     runs = {key: next(r for r in doc["runs"] if r["id"].startswith(key))
-            for key in (fb, lora, bnb8)}
+            for key in (fb, lora, bnb8, SFT)}
     assert runs[bnb8]["status"] == "skipped" and "bitsandbytes" in runs[bnb8]["error"]
+    assert runs[SFT]["status"] == "skipped" and runs[SFT]["error"].startswith("needs trl")
     for key in (fb, lora):
         r = runs[key]
         assert r["status"] == "ok", r
@@ -342,6 +420,30 @@ def test_cpu_smoke_runs_whole_cases_without_bnb_deepspeed_trl(tmp_path):
     assert runs[fb]["measured"]["loop"] == gpu_truth.FB_LOOP
     assert runs[lora]["measured"]["trainable_params"] < runs[lora]["measured"]["total_params"]
     assert doc["finished"] and "allocated" in doc["summary"]
+
+
+@pytest.mark.slow
+def test_cpu_smoke_trains_through_trl_and_skips_gpu_only_cases(tmp_path):
+    p, doc = _smoke(tmp_path, ("bitsandbytes", "deepspeed"), SFT, DPO_LORA, SFT_OFFLOAD, LIGER)
+    assert doc["environment"]["importable"]["trl"] and doc["environment"]["trl"]
+    runs = {r["id"]: r for r in doc["runs"]}
+    assert set(runs) == {SFT, DPO_LORA, SFT_OFFLOAD, LIGER}
+    for case_id, trainer, cls in ((SFT, "sft", "SFTTrainer"), (DPO_LORA, "dpo", "DPOTrainer")):
+        r = runs[case_id]
+        assert r["status"] == "ok", r
+        m = r["measured"]
+        assert m["trainer_class"] == cls and m["args_class"] == cls.replace("Trainer", "Config")
+        assert m["global_step"] == 3 and m["steady"]["steps"] == 2  # the window callback ran
+        est = r["estimate"]
+        assert "error" not in est, est
+        assert est["to_dict"]["setup"]["trainer"]["name"] == trainer
+        assert est["to_dict"]["setup"]["trainer"]["options"]["max_length"] == 32  # smoke seq_len
+    assert runs[DPO_LORA]["measured"]["trainable_params"] < \
+        runs[DPO_LORA]["measured"]["total_params"]
+    assert runs[SFT_OFFLOAD]["status"] == "skipped" and \
+        "activation_offloading" in runs[SFT_OFFLOAD]["error"]
+    assert runs[LIGER]["status"] == "skipped" and "Triton" in runs[LIGER]["error"]
+    assert "--cpu-smoke cannot run it" in p.stdout
 
 
 @pytest.mark.slow
