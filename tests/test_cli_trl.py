@@ -112,6 +112,55 @@ def test_plan_bad_sft_field_exits_2(model_dir, capsys):
     assert "padding_free=sometimes" in capsys.readouterr().err
 
 
+def test_plan_from_a_lengths_file_matches_the_api(model_dir, capsys, tmp_path):
+    lengths = [30] * 60 + [200, 220]
+    f = tmp_path / "lengths.txt"
+    f.write_text("# token counts of the rows\n" + "\n".join(map(str, lengths)) + "\n")
+    argv = ["plan", model_dir, "--gpu", "cpu", "--target-batch", "8", "--trainer", "sft",
+            *FP32, "--json"]
+    assert main([*argv, "--lengths", str(f)]) == 0
+    out = _json(capsys)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        api = mk.plan_training(model_dir, target_batch_size=8, device="cpu", trainer="sft",
+                               lengths=lengths, bf16=False, gradient_checkpointing=False)
+    assert out["training_args_kwargs"] == api.training_args_kwargs
+    assert out["chosen"]["memory"]["device_used"] == api.chosen.device_used
+    # a JSON list reads the same
+    f.write_text(json.dumps(lengths))
+    assert main([*argv, "--lengths", str(f)]) == 0
+    assert _json(capsys)["training_args_kwargs"] == api.training_args_kwargs
+    # and the summary form
+    assert main([*argv, "--mean-len", "35.5", "--max-len", "220"]) == 0
+    assert _json(capsys)["trainer"] == "sft"
+
+
+@pytest.mark.parametrize("content, extra, says", [
+    ("12\nabc\n", [], ["line 2", "'abc' is not an integer"]),
+    ("[1, 2", [], ["not a JSON list"]),
+    ("12\n0\n", [], ["positive integers", "[0]"]),
+    (None, [], ["cannot read it"]),
+    ("12\n", ["--seq-len", "64"], ["leave seq_len out"]),
+])
+def test_plan_bad_lengths_exit_2_naming_them(model_dir, capsys, tmp_path, content, extra, says):
+    f = tmp_path / "lengths.txt"
+    if content is not None:
+        f.write_text(content)
+    assert main(["plan", model_dir, "--gpu", "cpu", "--target-batch", "4", "--trainer", "sft",
+                 "--lengths", str(f), *extra]) == 2
+    err = capsys.readouterr().err
+    for s in says:
+        assert s in err, (s, err)
+
+
+def test_plan_lengths_need_the_sft_trainer(model_dir, capsys):
+    assert main(["plan", model_dir, "--gpu", "cpu", "--target-batch", "4",
+                 "--mean-len", "40", "--max-len", "90"]) == 2
+    assert "trainer='sft'" in capsys.readouterr().err
+    assert main(["plan", model_dir, "--gpu", "cpu", "--target-batch", "4", "--trainer", "sft"]) == 2
+    assert "--lengths FILE or --mean-len/--max-len" in capsys.readouterr().err
+
+
 def test_trainer_sft_without_trl_says_how_to_install(model_dir):
     code = ("import sys; sys.modules['trl'] = None\n"   # as if TRL were not installed
             "from hf_memkit.commands.main import main\n"

@@ -38,7 +38,9 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                "  hf-memkit plan recipes/llama-3.1/8b_qlora_rtx4090.yaml\n"
                "  hf-memkit plan recipes/llama-3.1/8b_qlora_rtx4090.yaml --gpu A10G --seq-len 1024\n"
                "  hf-memkit plan Llama-3.1-8B --gpu A100-80GB --seq-len 2048 --target-batch 64 "
-               "--trainer sft packing=true   # TRL's SFTTrainer",
+               "--trainer sft packing=true   # TRL's SFTTrainer\n"
+               "  hf-memkit plan Llama-3.1-8B --gpu A100-80GB --target-batch 64 --trainer sft "
+               "--lengths lengths.txt",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", metavar="MODEL|RECIPE",
@@ -60,6 +62,15 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                    help="tokens per sequence (required without a recipe)")
     p.add_argument("--target-batch", type=positive_int, default=None,
                    help="effective batch size (required without a recipe)")
+    p.add_argument("--lengths", default=None, metavar="FILE",
+                   help="with --trainer sft, instead of --seq-len: the rows' token counts, one "
+                        "integer per line or a JSON list; micro-batches are planned in tokens "
+                        "(padded, or padding-free where the attention allows)")
+    p.add_argument("--mean-len", type=positive_number, default=None,
+                   help="with --trainer sft and --max-len, instead of --lengths: the mean row "
+                        "length in tokens")
+    p.add_argument("--max-len", type=positive_int, default=None,
+                   help="with --mean-len: the longest row in tokens")
     p.add_argument("--method", default=None, choices=method_choices(),
                    help="default: auto (or the recipe's)")
     p.add_argument("--max-memory", default=None, help="explicit budget, e.g. 20GiB")
@@ -79,6 +90,48 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--full", action="store_true",
                    help="with --json: every setup considered, each with its full estimate")
     return p
+
+
+def positive_number(text: str) -> float:
+    """``--mean-len``: a number > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = 0.0
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens > 0, e.g. 412.5; got "
+                                         f"{text!r}")
+    return v
+
+
+def read_lengths(path: str | None) -> list[int] | None:
+    """``--lengths FILE``: a JSON list of integers, or one integer per line (blank lines and
+    ``#`` comments skipped). The values are checked by ``plan_training``."""
+    if path is None:
+        return None
+    import json
+
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise HfMemkitError(f"--lengths {path}: cannot read it ({exc.strerror or exc}); give a "
+                            "file of the rows' token counts, one per line or a JSON list") from None
+    if text.lstrip().startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise HfMemkitError(f"--lengths {path}: not a JSON list of integers ({exc})") from None
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        try:
+            out.append(int(line))
+        except ValueError:
+            raise HfMemkitError(f"--lengths {path}, line {n}: {line!r} is not an integer; "
+                                "give one token count per line (or a JSON list)") from None
+    return out
 
 
 def is_recipe_ref(ref: str) -> bool:
@@ -102,7 +155,9 @@ def plan_command(args: argparse.Namespace) -> int:
                target_batch_size=args.target_batch, method=args.method,
                max_memory=args.max_memory, headroom=args.headroom, task=args.task,
                num_nodes=args.num_nodes, engine=args.engine, host_memory=args.host_memory,
-               cuda_version=args.cuda_version, trainer=args.trainer)
+               cuda_version=args.cuda_version, trainer=args.trainer,
+               lengths=read_lengths(args.lengths), mean_len=args.mean_len,
+               max_len=args.max_len)
     if is_recipe_ref(args.model):
         from .._recipe import load_recipe
 
@@ -111,11 +166,14 @@ def plan_command(args: argparse.Namespace) -> int:
                               also=SEARCH_CONSTRAINTS)
         kwargs = recipe.plan_kwargs(**cli, **pins)
     else:
-        missing = [flag for flag, v in (("--seq-len", args.seq_len),
-                                        ("--target-batch", args.target_batch)) if v is None]
+        by_lengths = args.lengths is not None or args.mean_len is not None
+        missing = [flag for flag, v in (("--seq-len", args.seq_len or by_lengths),
+                                        ("--target-batch", args.target_batch)) if not v]
         if missing:
             raise HfMemkitError(f"{' and '.join(missing)} required when planning a model "
-                                f"(`{args.model}`); or give a recipe .yaml that sets them")
+                                f"(`{args.model}`); or give a recipe .yaml that sets them"
+                                + (" (with --trainer sft, --lengths FILE or --mean-len/--max-len "
+                                   "may replace --seq-len)" if "--seq-len" in missing else ""))
         pins = trainer_fields(args.fields, args.trainer, also=SEARCH_CONSTRAINTS)
         kwargs = dict(model=args.model, **{k: v for k, v in cli.items() if v is not None},
                       **pins)
