@@ -68,7 +68,8 @@ class TraceStep:
             yield
 
     def host_peak(self) -> int:
-        """Pinned host bytes the last traced step's offloading held at once."""
+        """The most pinned host bytes the offloading held at once in the steps traced since
+        ``prepare``."""
         return self.offload.host_peak if self.offload is not None else 0
 
     def loss(self, model: Any, batch: dict[str, Any], reference: Any = None) -> Any:
