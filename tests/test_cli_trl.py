@@ -153,6 +153,42 @@ def test_plan_bad_lengths_exit_2_naming_them(model_dir, capsys, tmp_path, conten
         assert s in err, (s, err)
 
 
+def test_estimate_from_a_lengths_file_matches_the_api(model_dir, capsys, tmp_path):
+    lengths = [30] * 10 + [200, 90, 60]
+    f = tmp_path / "lengths.txt"
+    f.write_text("\n".join(map(str, lengths)))
+    argv = ["estimate", model_dir, "--gpu", "cpu", "--batch", "4", "--lengths", str(f), *FP32,
+            "--json"]
+    # padding-free SFT: the fullest micro-batch of these rows (not 4 x the longest)
+    assert main([*argv, "--trainer", "sft", "padding_free=true"]) == 0
+    pf = _json(capsys)
+    api = _api(model_dir, dict(per_device_train_batch_size=4, per_device_eval_batch_size=4,
+                               padding_free=True, bf16=False, gradient_checkpointing=False),
+               device="cpu", trainer="sft", lengths=lengths)
+    assert pf["peak_allocated"] == api.peak_allocated
+    # the plain Trainer pads: the longest row
+    assert main(argv) == 0
+    padded = _json(capsys)
+    assert padded["seq_len"] == 200
+    assert padded["peak_allocated"] == _api(
+        model_dir, dict(per_device_train_batch_size=4, per_device_eval_batch_size=4,
+                        bf16=False, gradient_checkpointing=False),
+        device="cpu", seq_len=200).peak_allocated
+    assert pf["peak_allocated"] < _api(model_dir, dict(
+        per_device_train_batch_size=4, per_device_eval_batch_size=4, bf16=False,
+        gradient_checkpointing=False), device="cpu", seq_len=200, trainer="sft").peak_allocated
+
+
+def test_estimate_bad_lengths_exit_2(model_dir, capsys, tmp_path):
+    f = tmp_path / "lengths.txt"
+    f.write_text("")
+    assert main(["estimate", model_dir, "--gpu", "cpu", "--lengths", str(f)]) == 2
+    assert "an empty list" in capsys.readouterr().err
+    f.write_text("12\n40\n")
+    assert main(["estimate", model_dir, "--gpu", "cpu", "--lengths", str(f), "--max-batch"]) == 2
+    assert "give --seq-len instead" in capsys.readouterr().err
+
+
 def test_plan_lengths_need_the_sft_trainer(model_dir, capsys):
     assert main(["plan", model_dir, "--gpu", "cpu", "--target-batch", "4",
                  "--mean-len", "40", "--max-len", "90"]) == 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from .._errors import HfMemkitError
 from .._model.tasks import task_choices
@@ -121,15 +122,58 @@ def trainer_fields(fields: list, trainer: str | None, *, also: tuple[str, ...] =
     return out
 
 
-def seq_len_or_max_length(seq_len: int | None, fields: dict, trainer: str | None) -> int | None:
-    """``--seq-len``, which a TRL trainer's ``max_length=N`` may stand for (None: the API reads
-    it from the fields); without either, ``HfMemkitError`` saying what to give."""
-    if seq_len is not None:
+def positive_number(text: str) -> float:
+    """``--mean-len``: a number > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = 0.0
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens > 0, e.g. 412.5; got "
+                                         f"{text!r}")
+    return v
+
+
+def read_lengths(path: str | None) -> list[int] | None:
+    """``--lengths FILE``: a JSON list of integers, or one integer per line (blank lines and
+    ``#`` comments skipped). The values are checked by the API (``estimate_memory``,
+    ``plan_training``)."""
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise HfMemkitError(f"--lengths {path}: cannot read it ({exc.strerror or exc}); give a "
+                            "file of the rows' token counts, one per line or a JSON list") from None
+    if text.lstrip().startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise HfMemkitError(f"--lengths {path}: not a JSON list of integers ({exc})") from None
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        try:
+            out.append(int(line))
+        except ValueError:
+            raise HfMemkitError(f"--lengths {path}, line {n}: {line!r} is not an integer; "
+                                "give one token count per line (or a JSON list)") from None
+    return out
+
+
+def seq_len_or_max_length(seq_len: int | None, fields: dict, trainer: str | None,
+                          lengths: list[int] | None = None) -> int | None:
+    """``--seq-len``, which a TRL trainer's ``max_length=N`` or ``--lengths`` may stand for
+    (None: the API derives it); without any, ``HfMemkitError`` saying what to give."""
+    if seq_len is not None or lengths is not None:
         return seq_len
     if trainer not in (None, "trainer") and fields.get("max_length") is not None:
         return None
     raise HfMemkitError("--seq-len is required (tokens per sequence, e.g. --seq-len 2048); "
-                        "with --trainer sft or dpo, max_length=N may give it instead")
+                        "with --trainer sft or dpo, max_length=N may give it instead, or "
+                        "--lengths FILE (the rows' token counts)")
 
 
 def estimate_parser(sub) -> argparse.ArgumentParser:
@@ -160,6 +204,10 @@ def estimate_parser(sub) -> argparse.ArgumentParser:
                    help="longest sequence in a batch (with --trainer sft/dpo: default the "
                         "max_length=N field)")
     add_trainer_option(p)
+    p.add_argument("--lengths", default=None, metavar="FILE",
+                   help="the rows' token counts, one integer per line or a JSON list, instead "
+                        "of --seq-len: a padded batch at its longest row; with --trainer sft "
+                        "and padding_free/packing, the fullest micro-batch of them")
     p.add_argument("--batch", type=positive_int, default=None,
                    help="per_device_train_batch_size")
     p.add_argument("--task", default=None, metavar="TASK", choices=task_choices(),
@@ -206,13 +254,18 @@ def estimate_command(args: argparse.Namespace) -> int:
 
     args.trainer = trainer_option(args.trainer)
     fields = trainer_fields(args.fields, args.trainer)
-    seq_len = seq_len_or_max_length(args.seq_len, fields, args.trainer)
+    lengths = read_lengths(args.lengths)
+    seq_len = seq_len_or_max_length(args.seq_len, fields, args.trainer, lengths)
     trainer = {} if args.trainer is None else {"trainer": args.trainer}
     if args.batch is not None:
         fields["per_device_train_batch_size"] = args.batch
         fields.setdefault("per_device_eval_batch_size", args.batch)
     if args.max_batch or args.max_seq_len:
         from .._plan import max_batch_size, max_seq_len
+
+        if lengths is not None:
+            raise HfMemkitError("--lengths estimates the batches of those rows; --max-batch and "
+                                "--max-seq-len search one length: give --seq-len instead")
 
         seq_len = seq_len or fields["max_length"]
         kw = dict(device=args.gpu, headroom=args.headroom, task=args.task, dtype=args.dtype,
@@ -231,7 +284,7 @@ def estimate_command(args: argparse.Namespace) -> int:
         est = estimate_memory(args.model, fields, seq_len=seq_len, device=args.gpu,
                               stage=args.stage, task=args.task, dtype=args.dtype,
                               num_gpus=args.num_gpus, cuda_version=args.cuda_version,
-                              max_memory=args.max_memory, **trainer,
+                              max_memory=args.max_memory, lengths=lengths, **trainer,
                               **({} if args.headroom is None else {"headroom": args.headroom}))
     except ValueError as exc:
         raise HfMemkitError(str(exc)) from exc

@@ -14,6 +14,8 @@ from .estimate import (
     fraction,
     parse_field,
     positive_int,
+    positive_number,
+    read_lengths,
     trainer_fields,
     trainer_option,
 )
@@ -90,48 +92,6 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--full", action="store_true",
                    help="with --json: every setup considered, each with its full estimate")
     return p
-
-
-def positive_number(text: str) -> float:
-    """``--mean-len``: a number > 0."""
-    try:
-        v = float(text)
-    except ValueError:
-        v = 0.0
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a number of tokens > 0, e.g. 412.5; got "
-                                         f"{text!r}")
-    return v
-
-
-def read_lengths(path: str | None) -> list[int] | None:
-    """``--lengths FILE``: a JSON list of integers, or one integer per line (blank lines and
-    ``#`` comments skipped). The values are checked by ``plan_training``."""
-    if path is None:
-        return None
-    import json
-
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise HfMemkitError(f"--lengths {path}: cannot read it ({exc.strerror or exc}); give a "
-                            "file of the rows' token counts, one per line or a JSON list") from None
-    if text.lstrip().startswith("["):
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise HfMemkitError(f"--lengths {path}: not a JSON list of integers ({exc})") from None
-    out = []
-    for n, line in enumerate(text.splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        try:
-            out.append(int(line))
-        except ValueError:
-            raise HfMemkitError(f"--lengths {path}, line {n}: {line!r} is not an integer; "
-                                "give one token count per line (or a JSON list)") from None
-    return out
 
 
 def is_recipe_ref(ref: str) -> bool:
