@@ -5,7 +5,7 @@ TRL's class needs an accelerator; here it runs on real CPU tensors with the acce
 the CPU (``torch.accelerator.current_accelerator`` -> cpu, so "on the device" means on the CPU;
 ``torch.cpu`` lacks ``Stream.synchronize`` and ``empty_cache``, given no-ops) and unpinned host copies. Its
 tracker then says which saved tensors it offloaded and what it kept; the mirror must decide the
-same on the same step. TRL's storage key (an address) is swapped for ``StorageKeys`` (a serial
+same on the same step, and hold the same bytes after the forward and at the backward's peak. TRL's storage key (an address) is swapped for ``StorageKeys`` (a serial
 number per live storage), as the mirror keys storages: which freed address malloc hands out
 next is not something either run should depend on."""
 
@@ -20,6 +20,7 @@ pytest.importorskip("trl")
 
 import torch  # noqa: E402
 from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import hf_memkit as mk  # noqa: E402
@@ -46,6 +47,22 @@ def _live(mt: MemTracker) -> int:
     return int(sum(s["Total"] for s in mt.get_tracker_snapshot("current").values()))
 
 
+class _BackwardPeak(TorchDispatchMode):
+    """The most bytes "on the device" after any op of the backward: all alive, less what
+    ``host()`` says are host copies (a fresh copy is not yet in TRL's tracker while it is being
+    filled, so the forward is read after it, not op by op)."""
+
+    def __init__(self, mt: MemTracker, host=lambda: 0) -> None:
+        super().__init__()
+        self.mt, self.host, self.peak, self.on = mt, host, 0, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.on:
+            self.peak = max(self.peak, _live(self.mt) - self.host())
+        return out
+
+
 def _trl_step(model: torch.nn.Module) -> dict[str, int]:
     """TRL's OffloadActivations over one forward + backward, read after the forward."""
     from trl.models import activation_offloading as ao
@@ -61,7 +78,9 @@ def _trl_step(model: torch.nn.Module) -> dict[str, int]:
             mock.patch.object(ao, "_get_unique_tensor_key", keys), MemTracker() as mt:
         mt.track_external(model, *batch.values())
         before = _live(mt)
-        with ctx:
+        host_now = lambda: sum(v[0].untyped_storage().nbytes()  # noqa: E731
+                               for v in ctx.tracker.values() if v[1])
+        with ctx, _BackwardPeak(mt, host_now) as bwd:
             loss = model(**batch).loss
             copies = [v[0] for v in ctx.tracker.values() if v[1]]
             host = sum(t.untyped_storage().nbytes() for t in copies)
@@ -70,8 +89,10 @@ def _trl_step(model: torch.nn.Module) -> dict[str, int]:
                    # what stays "on the device": all that is alive less the host copies
                    "device": _live(mt) - before - host}
             del copies
+            bwd.on = True
             loss.backward()
         out["tracked_after"] = len(ctx.tracker)
+    out["backward"] = bwd.peak - before
     return out
 
 
@@ -82,11 +103,13 @@ def _mirror_step(model: torch.nn.Module) -> dict[str, int]:
     with MemTracker() as mt:
         mt.track_external(model, *batch.values())
         before = _live(mt)
-        with off(target="cuda"):
+        with off(target="cuda"), _BackwardPeak(mt) as bwd:
             loss = model(**batch).loss
             out = {"host": off.host_peak, "device": _live(mt) - before}
+            bwd.on = True
             loss.backward()
     out["host_after"] = off.host_peak
+    out["backward"] = bwd.peak - before
     return out
 
 
@@ -102,6 +125,8 @@ def test_the_trace_offloads_what_trls_offload_activations_offloads():
     # and what the step keeps on the device after the forward: the same bytes
     assert mirror["device"] == trl_run["device"]
     assert mirror["host_after"] == mirror["host"]              # backward only releases
+    # the backward's peak on the device: tensors coming back node by node, freed a node later
+    assert mirror["backward"] == trl_run["backward"]
 
 
 def test_offloading_keeps_less_on_the_device_than_the_graph_would():
@@ -110,11 +135,15 @@ def test_offloading_keeps_less_on_the_device_than_the_graph_would():
     with MemTracker() as mt:
         mt.track_external(model, *batch.values())
         before = _live(mt)
-        loss = model(**batch).loss
-        plain = _live(mt) - before
-        loss.backward()
+        with _BackwardPeak(mt) as bwd:
+            loss = model(**batch).loss
+            plain = _live(mt) - before
+            bwd.on = True
+            loss.backward()
     model.zero_grad(set_to_none=True)
-    assert _mirror_step(model)["device"] < 0.7 * plain
+    mirror = _mirror_step(model)
+    assert mirror["device"] < 0.7 * plain
+    assert mirror["backward"] < 0.8 * (bwd.peak - before)
 
 
 # for the estimates: layers' activations, not the fused head's tile buffer, set the peak
