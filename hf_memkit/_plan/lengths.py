@@ -68,8 +68,8 @@ def length_problems(lengths: Any, mean_len: Any, max_len: Any, trainer: str | No
         return out
     if trainer != "sft":
         return [Problem(given[0], f"{given[0]} plans padding-free SFTTrainer batches; pass "
-                                  "trainer='sft', or seq_len=<the longest row> for padded "
-                                  "batches")]
+                                  "trainer='sft' (--trainer sft on the command line), or "
+                                  "seq_len=<the longest row> for padded batches")]
     if lengths is not None:
         bad = [v for v in list(lengths) if isinstance(v, bool) or not isinstance(v, int) or v < 1]
         if mean_len is not None or max_len is not None:
