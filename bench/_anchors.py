@@ -3,7 +3,7 @@ GPU anchors (shared/anchors/published_gpu_cases.yaml), decide which are usable, 
 figure each one measures. See estimator_gpu_anchors.py's docstring for the model of the gap.
 
 ``predict(case, reconstruct=False)`` is the estimator's own account: the trace of transformers 5
-code plus the CUDA terms of ``hf_memkit._cuda`` (cuBLAS workspaces, ``alloc_const``).
+code plus the CUDA terms of ``hf_memkit._cuda.runtime`` (cuBLAS workspaces, ``alloc_const``).
 ``reconstruct=True`` (the default) adds every term that reconstructs what the published runs did
 beyond that: the benchmark script keeping ``out`` (logits + past_key_values) alive, the
 transformers-4.4x GPT-NeoX code (mask buffer, fp32 key, whole qkv kept: its branch of
@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
-from hf_memkit import _cuda
-from hf_memkit._cuda_emulation import CudaTarget
+from hf_memkit._cuda import runtime as _cuda
+from hf_memkit._cuda.target import CudaTarget
 from hf_memkit._model import build_model, load_bundled_config
-from hf_memkit._trace import layer_count, trace_step, with_layers
+from hf_memkit._model.facts import layer_count, with_layers
+from hf_memkit._trace.step import trace_step
 
 ROOT = Path(__file__).resolve().parents[1]
 ANCHORS = next((p for p in (ROOT / "shared/anchors/published_gpu_cases.yaml",
@@ -246,7 +247,7 @@ def bert_weights_loaded() -> tuple[int, dict[str, int]]:
 # ------------------------------------------------------------------------------------------------
 
 
-# Rows whose published value IS a constant of hf_memkit._cuda: listed, never counted as evidence.
+# Rows whose published value IS a constant of hf_memkit._cuda.runtime: listed, never counted as evidence.
 DEFINES_CONSTANT = {"hf_perf_cuda_context_overhead": "_cuda.CONTEXT_EAGER_LOADING"}
 
 

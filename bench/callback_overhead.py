@@ -19,7 +19,7 @@ import time
 import torch
 from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-from hf_memkit._synthetic import SyntheticTextDataset, tiny_llama_config
+from hf_memkit._run.synthetic import SyntheticTextDataset, tiny_llama_config
 from hf_memkit.callbacks import MemoryCallback, ThroughputCallback
 
 

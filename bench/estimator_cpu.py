@@ -42,7 +42,7 @@ from transformers import (
 
 import hf_memkit as mk
 from hf_memkit._estimate.activations import FULL_TRACE_MAX_LAYERS
-from hf_memkit._trace import layer_count
+from hf_memkit._model.facts import layer_count
 from hf_memkit._units import MiB
 from hf_memkit.testing.groundtruth import measure_trainer_peak
 

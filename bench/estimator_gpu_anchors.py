@@ -97,7 +97,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _anchors import DEFINES_CONSTANT, MODELS, exclusion, load_cases, predict  # noqa: E402
 
-from hf_memkit import _cuda  # noqa: E402
+from hf_memkit._cuda import runtime as _cuda  # noqa: E402
 
 FIGURES = ("allocated", "reserved", "nvml")
 HALVES = ("fit", "holdout")

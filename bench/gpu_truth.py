@@ -30,7 +30,7 @@ Without a CUDA GPU it says so and exits 0. bitsandbytes, deepspeed, TRL and Lige
 imported at top level; a case runs only where what it needs imports (``Case.needs``: bitsandbytes
 for 8-bit AdamW and QLoRA, ``trl`` for ``trainer="sft"`` / ``"dpo"``, ``liger_kernel`` for
 ``use_liger_kernel``), else it is recorded as skipped. TRL cases train through
-``hf_memkit._train_trl`` (what ``hf-memkit train`` builds): ``SFTConfig`` / ``DPOConfig`` with
+``hf_memkit._run.trl`` (what ``hf-memkit train`` builds): ``SFTConfig`` / ``DPOConfig`` with
 ``max_length = seq_len``, SFT rows of ``seq_len`` pre-tokenized tokens, DPO pairs whose prompt +
 chosen is ``seq_len`` tokens (rejected one shorter), DPO's reference the LoRA policy's own
 adapters, else a frozen copy.
@@ -479,10 +479,10 @@ def args_class(case: Case) -> type:
 
 def trl_trainer(case: Case, model: Any, args: Any, data: list[dict[str, Any]],
                 callbacks: list[Any]) -> Any:
-    """TRL's trainer as ``hf-memkit train`` builds it (``hf_memkit._train_trl``): SFT over the
+    """TRL's trainer as ``hf-memkit train`` builds it (``hf_memkit._run.trl``): SFT over the
     rows' ``input_ids`` (``seq_len`` tokens, pre-tokenized), DPO over ``preference_pair`` s made
     from them; both with the in-memory ``word_tokenizer``."""
-    from hf_memkit._train_trl import dpo_trainer, sft_trainer
+    from hf_memkit._run.trl import dpo_trainer, sft_trainer
 
     if case.trainer == "dpo":
         return dpo_trainer(model=model, args=args, rows=data, callbacks=callbacks)

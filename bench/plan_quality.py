@@ -32,7 +32,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments
 
 import hf_memkit as mk
-from hf_memkit._synthetic import SyntheticTextDataset
+from hf_memkit._run.synthetic import SyntheticTextDataset
 from hf_memkit._units import MiB
 from hf_memkit.testing.groundtruth import measure_trainer_peak
 from hf_memkit.testing.simulate import SimulatedMemoryBudget

@@ -24,7 +24,7 @@ from ._version import __version__
 _EXPORTS: dict[str, str] = {
     "Candidate": "._plan",
     "ConfigError": "._errors",
-    "DeviceInfo": "._device",
+    "DeviceInfo": "._device.probe",
     "HfMemkitError": "._errors",
     "MemoryCallback": ".callbacks",
     "MemoryEstimate": "._estimate",
@@ -38,14 +38,14 @@ _EXPORTS: dict[str, str] = {
     "ThroughputCallback": ".callbacks",
     "auto_training_args": "._plan",
     "estimate_memory": "._estimate",
-    "get_device": "._device",
+    "get_device": "._device.probe",
     "is_oom_error": ".callbacks",
-    "list_devices": "._device",
+    "list_devices": "._device.probe",
     "load_recipe": "._recipe",
     "max_batch_size": "._plan",
     "max_seq_len": "._plan",
     "plan_training": "._plan",
-    "probe_device": "._device",
+    "probe_device": "._device.probe",
     "profile_model": "._model",
 }
 
@@ -79,7 +79,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # what static tools and IDEs see; at run time, __getattr__ below
-    from ._device import DeviceInfo, get_device, list_devices, probe_device
+    from ._device.probe import DeviceInfo, get_device, list_devices, probe_device
     from ._errors import ConfigError, HfMemkitError
     from ._estimate import MemoryEstimate, estimate_memory
     from ._model import ModelProfile, profile_model

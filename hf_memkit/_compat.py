@@ -31,6 +31,20 @@ def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+@cache
+def checkpointing_field() -> str:
+    """The installed ``TrainingArguments``' name for gradient checkpointing: transformers 5
+    renamed ``gradient_checkpointing`` to ``activation_checkpointing`` (DESIGN.md); read the
+    installed class rather than hard-code either."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    new = "activation_checkpointing"
+    return new if new in names else "gradient_checkpointing"
+
+
 def is_nvml_available() -> bool:
     return _has("pynvml")
 

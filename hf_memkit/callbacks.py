@@ -9,7 +9,13 @@ from ._compat import quiet_notices
 
 with quiet_notices():  # transformers' Trainer imports peft, which imports bitsandbytes
     from ._callbacks import MemoryCallback, ThroughputCallback
-    from ._oom import OOMGuardMixin, OOMGuardTrainer, OOMRecovery, OOMRecoveryError, is_oom_error
+    from ._oom.guard import (
+        OOMGuardMixin,
+        OOMGuardTrainer,
+        OOMRecovery,
+        OOMRecoveryError,
+        is_oom_error,
+    )
 
 __all__ = ["MemoryCallback", "OOMGuardMixin", "OOMGuardTrainer", "OOMRecovery",
            "OOMRecoveryError", "ThroughputCallback", "is_oom_error"]

@@ -191,7 +191,7 @@ def base_model():
     """The OOM tests' tiny Llama in float64 (bit-comparable runs), one per test module."""
     from transformers import LlamaForCausalLM
 
-    from hf_memkit._synthetic import tiny_llama_config
+    from hf_memkit._run.synthetic import tiny_llama_config
 
     torch.manual_seed(0)
     cfg = tiny_llama_config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,

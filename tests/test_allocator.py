@@ -1,4 +1,4 @@
-"""The caching-allocator model (hf_memkit._allocator) on hand-worked event sequences.
+"""The caching-allocator model (hf_memkit._cuda.allocator) on hand-worked event sequences.
 
 Each expected figure is worked out in a comment from the rule of c10/cuda/CUDACachingAllocator.cpp
 it checks (round_size, get_allocation_size, get_free_block, should_split, free_block,
@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from hf_memkit._allocator import AllocatorConfig, CachingAllocator, ReplayStats, replay
+from hf_memkit._cuda.allocator import AllocatorConfig, CachingAllocator, ReplayStats, replay
 from hf_memkit._errors import HfMemkitError
 
 KiB = 1024

@@ -23,23 +23,24 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import hf_memkit as mk
-from hf_memkit import HfMemkitError, MemoryCallback, _cuda
-from hf_memkit import _calibration as calmod
-from hf_memkit._calibration import (
+from hf_memkit import HfMemkitError, MemoryCallback
+from hf_memkit._callbacks import memory as memory_mod
+from hf_memkit._callbacks._readers import CudaReader
+from hf_memkit._cuda import runtime as _cuda
+from hf_memkit._device import calibration as calmod
+from hf_memkit._device import measure as measure_mod
+from hf_memkit._device.calibration import (
     Calibration,
     add_residual,
     calibration_dir,
     calibration_key,
     find_calibration,
     load_calibration,
-    measure_calibration,
     record_residual,
-    reference_config,
     save_calibration,
 )
-from hf_memkit._callbacks import memory as memory_mod
-from hf_memkit._callbacks._readers import CudaReader
-from hf_memkit._synthetic import SyntheticTextDataset, tiny_llama_config
+from hf_memkit._device.measure import measure_calibration, reference_config
+from hf_memkit._run.synthetic import SyntheticTextDataset, tiny_llama_config
 from hf_memkit._units import GiB, MiB
 from hf_memkit.commands import calibrate as calibrate_cmd
 from hf_memkit.commands.main import main
@@ -176,7 +177,7 @@ def test_check_setups_are_valid_estimator_inputs():
     """Each --check setup reads as the setup it names, with the TrainingArguments field names of
     the installed transformers (checkpointing under its current name); the reference model is
     the 2-layer fp32 Llama the docs describe."""
-    from hf_memkit._setup import normalize_args
+    from hf_memkit._setup.setup import normalize_args
 
     config = reference_config()
     assert config.num_hidden_layers == 2 and config.vocab_size == 32000
@@ -196,9 +197,9 @@ def test_reference_step_fits_the_free_memory_asked_for():
 
     est = mk.estimate_memory(reference_config(), {"per_device_train_batch_size": 4,
                                                   "optim": "adamw_torch"},
-                             seq_len=calmod.REFERENCE_SEQ_LEN, device="H100-80GB",
+                             seq_len=measure_mod.REFERENCE_SEQ_LEN, device="H100-80GB",
                              task="causal-lm")
-    assert 3 * GiB < est.device_used < calmod.REFERENCE_MIN_FREE
+    assert 3 * GiB < est.device_used < measure_mod.REFERENCE_MIN_FREE
 
 
 # ----------------------------------------------------------------------------------------------

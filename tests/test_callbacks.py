@@ -24,7 +24,7 @@ from hf_memkit._callbacks import memory as memory_mod
 from hf_memkit._callbacks._readers import CudaReader
 from hf_memkit._callbacks.plot import draw_timeline
 from hf_memkit._callbacks.throughput import flops_per_token, flops_per_token_terms
-from hf_memkit._synthetic import SyntheticTextDataset, tiny_llama_config
+from hf_memkit._run.synthetic import SyntheticTextDataset, tiny_llama_config
 from hf_memkit._units import GiB, MiB
 from hf_memkit.callbacks import MemoryCallback, ThroughputCallback
 from hf_memkit.testing.groundtruth import measure_trainer_peak

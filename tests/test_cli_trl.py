@@ -265,8 +265,8 @@ def _plan_as(recipe: Path, trainer: str):
     """The recipe's plan for another trainer (its pins that the other config lacks dropped)."""
     import dataclasses
 
-    from hf_memkit._recipe.fields import config_class, config_field_names
-    from hf_memkit._train import plan_recipe
+    from hf_memkit._run.train import plan_recipe
+    from hf_memkit._setup.fields import config_class, config_field_names
 
     r = load_recipe(recipe)
     fields = config_field_names(config_class(trainer))
@@ -303,7 +303,7 @@ def test_train_dpo_recipe_runs_dpotrainer_with_a_reference_copy(tmp_path):
 
 
 def test_dpo_recipe_with_file_data_is_planned_but_not_trained(tmp_path, capsys):
-    from hf_memkit._train_trl import word_tokenizer
+    from hf_memkit._run.trl import word_tokenizer
 
     word_tokenizer(32000).save_pretrained(tmp_path / "tok")
     (tmp_path / "pairs.jsonl").write_text(json.dumps({"text": "w5 w6 w7"}) + "\n")

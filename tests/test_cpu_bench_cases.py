@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import estimator_cpu  # noqa: E402  (bench/estimator_cpu.py: the cases and their code path)
 
 from hf_memkit._estimate.activations import EXTRAPOLATE_AT, FULL_TRACE_MAX_LAYERS  # noqa: E402
-from hf_memkit._trace import layer_count  # noqa: E402
+from hf_memkit._model.facts import layer_count  # noqa: E402
 
 DEEP = ["llama8 fp32 adamw sdpa", "llama8 fp32 adamw ckpt"]
 

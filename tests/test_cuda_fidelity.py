@@ -1,4 +1,4 @@
-"""A trace for a CUDA target follows CUDA, not this CPU (hf_memkit._cuda_emulation, _cuda,
+"""A trace for a CUDA target follows CUDA, not this CPU (hf_memkit._cuda.emulation, _cuda,
 _estimate.allocation).
 
 Every expectation is worked out by hand in the test from the CUDA / torch source rule its
@@ -25,7 +25,10 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from transformers import LlamaConfig
 
 import hf_memkit as mk
-from hf_memkit._cuda import (
+from hf_memkit._cuda.autocast import cuda_autocast
+from hf_memkit._cuda.emulation import emulate_cuda
+from hf_memkit._cuda.events import ALLOC, FREE, MARK
+from hf_memkit._cuda.runtime import (
     CONTEXT_EAGER_LOADING,
     CONTEXT_LAZY_INIT,
     DEFAULT_WHEEL_CUDA,
@@ -34,13 +37,14 @@ from hf_memkit._cuda import (
     nccl_buffers,
     parse_cuda_version,
 )
-from hf_memkit._cuda_emulation import CudaTarget, SdpaCall, cuda_autocast, emulate_cuda, sdpa_kernel
+from hf_memkit._cuda.sdpa import SdpaCall, sdpa_kernel
+from hf_memkit._cuda.target import CudaTarget
 from hf_memkit._errors import ConfigError
 from hf_memkit._estimate.allocation import replay_step, step_events
 from hf_memkit._model import load_bundled_config
+from hf_memkit._model.facts import with_layers
 from hf_memkit._model.spec import resolve_model
-from hf_memkit._trace import trace_step, with_layers
-from hf_memkit._trace_events import ALLOC, FREE, MARK
+from hf_memkit._trace.step import trace_step
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -117,7 +121,7 @@ _AUTOCAST_CHILD = textwrap.dedent('''
     import contextlib, json
     import torch, torch.nn.functional as F
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from hf_memkit._cuda_emulation import cuda_autocast
+    from hf_memkit._cuda.emulation import cuda_autocast
     F32 = torch.float32
 
     def cases(dev, low):  # low: the autocast dtype, also the "low precision" inputs' dtype
@@ -510,7 +514,7 @@ def test_ddp_estimate_adds_nccl_to_the_context(clean_cuda_env):
 _FB_CHILD = textwrap.dedent('''
     import json, sys
     import torch, transformers
-    from hf_memkit._rss import alive_cpu_tensor_bytes
+    from hf_memkit._device.rss import alive_cpu_tensor_bytes
     from hf_memkit.testing.groundtruth import close_window, open_window
 
     spec = json.loads(sys.argv[1])
@@ -625,7 +629,7 @@ def test_deepened_replay_matches_the_full_depth_replay():
     from hf_memkit._estimate import activations as act
     from hf_memkit._estimate.device import fragmentation
     from hf_memkit._estimate.phases import states_for
-    from hf_memkit._setup import normalize_args
+    from hf_memkit._setup.setup import normalize_args
 
     cfg = LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
                       num_attention_heads=4, num_key_value_heads=4, vocab_size=8000)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hf_memkit as mk
-from hf_memkit import _gpu_catalog
+from hf_memkit._device import catalog as _gpu_catalog
 from hf_memkit._units import GiB, MiB
 
 from .conftest import A100_80, T4, V100_16, FakeGpu

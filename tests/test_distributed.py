@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_memkit._synthetic import tiny_llama_config
+from hf_memkit._run.synthetic import tiny_llama_config
 from hf_memkit.testing.groundtruth_dist import measure_distributed_peak
 
 # 2 layers, vocab 2048: model states (~4.6 MiB fp32 AdamW states per full replica) are a visible

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 import hf_memkit as mk
-from hf_memkit import _device, _rss
 from hf_memkit._callbacks import memory as memory_mod
 from hf_memkit._callbacks._readers import CudaReader
+from hf_memkit._device import probe as _device
+from hf_memkit._device import rss as _rss
 from hf_memkit._units import MiB
 
 from .conftest import A100_80, FakeGpu
@@ -107,7 +108,7 @@ def test_missing_nvml_warns_once_what_is_lost_and_the_fix(fake_cuda, caplog, mon
 def _tiny_run(tmp_path, name):
     from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
-    from hf_memkit._synthetic import SyntheticTextDataset, tiny_llama_config
+    from hf_memkit._run.synthetic import SyntheticTextDataset, tiny_llama_config
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_llama_config(hidden_size=64, intermediate_size=128,

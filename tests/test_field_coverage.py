@@ -14,7 +14,7 @@ import pytest
 from transformers import LlamaConfig, TrainingArguments
 
 import hf_memkit as mk
-from hf_memkit._fields import (
+from hf_memkit._setup.coverage import (
     CLASSES,
     ENGINE_FIELDS,
     IRRELEVANT,
@@ -22,7 +22,7 @@ from hf_memkit._fields import (
     UNMODELLED,
     field_classes,
 )
-from hf_memkit._setup import normalize_args
+from hf_memkit._setup.setup import normalize_args
 from hf_memkit._trainers import TRAINERS
 
 TINY = LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2,

@@ -1,4 +1,4 @@
-"""``use_liger_kernel`` on CUDA targets (hf_memkit._techniques.liger, hf_memkit._liger_emulation).
+"""``use_liger_kernel`` on CUDA targets (hf_memkit._techniques.liger.technique, hf_memkit._techniques.liger.kernels).
 
 Every expected difference is worked out by hand from the config and liger-kernel 0.8.5's wrappers
 (``ops/fused_linear_cross_entropy.py``, ``ops/rms_norm.py``, ``ops/swiglu.py``,
@@ -21,8 +21,8 @@ import pytest
 from transformers import LlamaConfig, Phi3Config
 
 import hf_memkit as mk
-from hf_memkit import _liger_emulation as liger
 from hf_memkit._errors import HfMemkitError
+from hf_memkit._techniques.liger import kernels as liger
 
 KiB, MiB = 1024, 1024 * 1024
 TOL = 64 * KiB

@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from hf_memkit import _oom_detect
-from hf_memkit._synthetic import SyntheticTextDataset
+from hf_memkit._oom import detect as _oom_detect
+from hf_memkit._run.synthetic import SyntheticTextDataset
 from hf_memkit.callbacks import OOMGuardTrainer, OOMRecoveryError, is_oom_error
 
 MBS, GA, STEPS = 4, 2, 3

@@ -16,7 +16,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import hf_memkit as mk
-from hf_memkit._synthetic import SyntheticTextDataset
+from hf_memkit._run.synthetic import SyntheticTextDataset
 
 from .test_oom_guard import (
     DATA,

@@ -16,7 +16,7 @@ from transformers import LlamaConfig
 from hf_memkit import HfMemkitError
 from hf_memkit._model.spec import resolve_model
 from hf_memkit._optimizers import OptimizerContext, get_optimizer_profile
-from hf_memkit._setup import normalize_args
+from hf_memkit._setup.setup import normalize_args
 
 from .conftest import require
 

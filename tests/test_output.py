@@ -15,8 +15,8 @@ from transformers import LlamaConfig
 
 import hf_memkit as mk
 from hf_memkit._errors import ConfigError
-from hf_memkit._render import render_to_text
 from hf_memkit._units import GiB, MiB, format_bytes
+from hf_memkit._views.text import render_to_text
 from hf_memkit.commands.main import main
 
 TINY = LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=2,
@@ -161,7 +161,7 @@ def test_devices_table_keeps_every_number_whole(columns, capsys, monkeypatch):
 
 
 def test_tables_hold_brackets_and_long_values_verbatim():
-    from hf_memkit._render import add_column, add_row, new_table
+    from hf_memkit._views.text import add_column, add_row, new_table
 
     t = new_table("x")
     add_column(t, "field")
@@ -172,7 +172,7 @@ def test_tables_hold_brackets_and_long_values_verbatim():
 
 
 def test_train_summary_prints_the_plot_extra(tiny_plan, tmp_path):
-    from hf_memkit._train import TrainResult
+    from hf_memkit._run.train import TrainResult
     from hf_memkit.commands.train import summary_table
 
     result = TrainResult(recipe="r.yaml", plan=tiny_plan, steps=2, first_loss=7.0, last_loss=6.0,

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, LlamaConfig, OpenAIGPTConfig, Trainer
 
 import hf_memkit as mk
-from hf_memkit._gpu_catalog import catalog
-from hf_memkit._synthetic import SyntheticTextDataset
+from hf_memkit._device.catalog import catalog
+from hf_memkit._run.synthetic import SyntheticTextDataset
 from hf_memkit._units import GiB, MiB
 from hf_memkit.testing.simulate import SimulatedMemoryBudget
 

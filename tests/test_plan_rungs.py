@@ -14,7 +14,7 @@ import pytest
 from transformers import GPT2Config, LlamaConfig, LlamaForCausalLM
 
 import hf_memkit as mk
-from hf_memkit._techniques.checkpoint_offload import host_link_bandwidth
+from hf_memkit._cuda.host import host_link_bandwidth
 from hf_memkit._units import GiB
 
 # a long sequence over a 32k vocabulary: the logits and the layer inputs both weigh

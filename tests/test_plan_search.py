@@ -12,7 +12,7 @@ import hf_memkit as mk
 from hf_memkit._estimate import TraceCache, estimate_for
 from hf_memkit._model.spec import resolve_model
 from hf_memkit._plan import PlanRequest, search_for
-from hf_memkit._setup import normalize_args
+from hf_memkit._setup.setup import normalize_args
 from hf_memkit._units import MiB
 
 from .test_plan import SEQ, TARGET, TINY

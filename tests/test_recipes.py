@@ -179,7 +179,7 @@ def test_train_tiny_recipe_end_to_end(tmp_path, capsys):
 def test_train_qlora_on_cpu_reloads_the_random_init_4bit(tmp_path):
     """QLoRA: from_config rejects quantization_config, so the random init is saved and reloaded
     with it (bitsandbytes 4-bit runs on CPU); only the adapter trains and is saved."""
-    from hf_memkit._train import train_recipe
+    from hf_memkit._run.train import train_recipe
 
     text = (bundled_recipes_dir() / "tiny-llama/1m_full_cpu.yaml").read_text()
     p = write(tmp_path, text.replace("method: full ", "method: qlora"), "tiny_qlora.yaml")
@@ -224,7 +224,7 @@ hardware: {device: cpu}
 pins: {max_steps: 3, logging_steps: 1, save_strategy: "no", learning_rate: 1.0e-3}
 callbacks: [memory]
 """)
-    from hf_memkit._train import train_recipe
+    from hf_memkit._run.train import train_recipe
 
     res = train_recipe(load_recipe(recipe), output_dir=str(tmp_path / "out"))
     assert res.steps == 3 and res.first_loss is not None
@@ -403,7 +403,7 @@ def test_help_has_examples(cmd, capsys):
 def test_recipe_cuda_version_reaches_the_plan(tmp_path):
     """hardware.cuda_version is the target's CUDA: 11.2 loads every kernel at start, so the
     plan's estimate carries the eager-loading context (1343 MiB, _cuda.CONTEXT_EAGER_LOADING)."""
-    from hf_memkit import _cuda
+    from hf_memkit._cuda import runtime as _cuda
 
     p = write(tmp_path, "model: gpt2\ntraining: {seq_len: 64, target_batch_size: 4}\n"
                         "hardware: {device: A100-80GB, cuda_version: '11.2'}")

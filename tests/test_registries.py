@@ -17,7 +17,7 @@ from hf_memkit._model.spec import resolve_model
 from hf_memkit._model.tasks import TASKS, task_choices
 from hf_memkit._optimizers import get_optimizer_profile, planner_optimizers, supported_optimizers
 from hf_memkit._plan import PlanRequest, engine_choices
-from hf_memkit._setup import normalize_args
+from hf_memkit._setup.setup import normalize_args
 from hf_memkit._techniques import TECHNIQUES, Technique, register
 from hf_memkit.commands.main import build_parser
 

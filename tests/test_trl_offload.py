@@ -24,8 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import hf_memkit as mk  # noqa: E402
+from hf_memkit._cuda.host import pinned_block  # noqa: E402
 from hf_memkit._errors import HfMemkitError  # noqa: E402
-from hf_memkit._techniques.checkpoint_offload import pinned_block  # noqa: E402
 from hf_memkit._trainers.offload import ActivationOffload, StorageKeys  # noqa: E402
 
 CFG = LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=2,

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments
 
 import hf_memkit as mk
-from hf_memkit._synthetic import SyntheticTextDataset
+from hf_memkit._run.synthetic import SyntheticTextDataset
 from hf_memkit._units import GiB
 
 from .conftest import require

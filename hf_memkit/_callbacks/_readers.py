@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .. import _rss
+from .._device import rss as _rss
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class CudaReader(Reader):
 
     def open_nvml(self) -> bool:
         """Start NVML for this device; False (with one warning) where it is missing or fails."""
-        from .._device import NVML_MISSING, nvml_handle, warn_once
+        from .._device.probe import NVML_MISSING, nvml_handle, warn_once
 
         try:
             import pynvml  # nvidia-ml-py

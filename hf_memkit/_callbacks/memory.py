@@ -36,10 +36,10 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from .. import _oom
-from .._calibration import record_residual
-from .._device import probe_device, warn_once
-from .._rss import mmap_threshold_set
+from .._device.calibration import record_residual
+from .._device.probe import probe_device, warn_once
+from .._device.rss import mmap_threshold_set
+from .._oom import guard as _oom
 from .._units import GiB
 from ._order import add_to_logs, move_ahead_of_reporters
 from ._readers import CpuReader, CudaReader, MpsReader, Reader, make_reader

@@ -117,7 +117,7 @@ class ThroughputCallback(TrainerCallback):
         if not self._active:
             return
         move_ahead_of_reporters(self)
-        from .._device import resolve_device
+        from .._device.probe import resolve_device
 
         info = resolve_device(self.device)
         self.precision = precision_of(args, model)

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from .._cuda import parse_cuda_version
-from .._device import resolve_device
+from .._cuda.runtime import parse_cuda_version
+from .._device.probe import resolve_device
 from .._engines import Sharding
 from .._errors import ConfigError, HfMemkitError
 from .._model.spec import resolve_model
-from .._setup import normalize_args
+from .._setup.setup import normalize_args
 from .._trainers import TRAINERS
 from .._trainers.packing import with_lengths
 from .._units import parse_bytes

@@ -13,12 +13,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._cuda_emulation import CudaTarget
+from .._cuda.target import CudaTarget
 from .._errors import HfMemkitError
+from .._model.facts import layer_count, with_layers
 from .._model.spec import ModelSpec
-from .._setup import TrainingSetup
+from .._setup.setup import TrainingSetup
 from .._techniques import TECHNIQUES
-from .._trace import layer_count, trace_step, with_layers
+from .._trace.step import trace_step
 from .._trainers import TRAINERS
 
 FULL_TRACE_MAX_LAYERS = 4

@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from .._allocator import AllocatorConfig, ReplayStats, replay
-from .._trace_events import ALLOC, FREE, MARK
+from .._cuda.allocator import AllocatorConfig, ReplayStats, replay
+from .._cuda.events import ALLOC, FREE, MARK
 
 Event = tuple[str, Any, int]
 

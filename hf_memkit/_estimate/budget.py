@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from .._device import DeviceInfo
+from .._device.probe import DeviceInfo
 from .._units import format_bytes, parse_bytes
 
 DEFAULT_HEADROOM = 0.1

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._allocator import AllocatorConfig
-from .._calibration import Calibration, find_calibration
-from .._cuda import CALIBRATION, CudaRuntime, cublas_workspace, nccl_buffers
-from .._device import DeviceInfo
+from .._cuda.allocator import AllocatorConfig
+from .._cuda.runtime import CALIBRATION, CudaRuntime, cublas_workspace, nccl_buffers
+from .._device.calibration import Calibration, find_calibration
+from .._device.probe import DeviceInfo
+from .._model.facts import layer_count
 from .._model.spec import ModelSpec
 from .._optimizers import OptimizerMemory
-from .._trace import layer_count
 from .._units import format_bytes
 from .activations import Excess
 from .allocation import canonical, deepen, replay_step

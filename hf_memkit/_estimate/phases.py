@@ -21,15 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .._cuda import cuda_runtime
-from .._cuda_emulation import CudaTarget
-from .._device import DeviceInfo
+from .._cuda.runtime import cuda_runtime
+from .._cuda.target import CudaTarget
+from .._device.probe import DeviceInfo
 from .._engines import ENGINES, RankStates, StateSizes, rank_states
 from .._errors import HfMemkitError
 from .._model.spec import ModelSpec
 from .._model.tasks import TASKS
 from .._optimizers import OptimizerContext, OptimizerMemory, get_optimizer_profile
-from .._setup import TrainingSetup
+from .._setup.setup import TrainingSetup
 from .._techniques import TECHNIQUES
 from .._trainers import TRAINERS
 from .._units import format_bytes
@@ -107,10 +107,11 @@ def technique_host_bytes(spec: ModelSpec, setup: TrainingSetup, seq_len: int, *,
     """Host memory the setup's techniques keep for a training step (``Technique.host_bytes``;
     none for an eval step or a technique that does not act on ``device_kind``)."""
     total = 0
+    compute_dtype = trace_variant(spec, setup)[0].dtype  # the dtype each rank computes in
     for use in setup.techniques if stage != "eval" else ():
         t = TECHNIQUES.get(use.name)
         if t.host_bytes is not None and t.acts_on(device_kind):
-            total += int(t.host_bytes(spec, setup, seq_len, dict(use.options)))
+            total += int(t.host_bytes(spec, setup, seq_len, dict(use.options), compute_dtype))
     return total
 
 

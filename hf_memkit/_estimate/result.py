@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._device import DeviceInfo
-from .._setup import TrainingSetup
+from .._device.probe import DeviceInfo
+from .._setup.setup import TrainingSetup
 from .._units import format_bytes
 
 
@@ -85,7 +85,7 @@ class MemoryEstimate:
         }
 
     def explain(self) -> str:
-        from .._render import estimate_table, render_to_text
+        from .._views.text import estimate_table, render_to_text
 
         return render_to_text(estimate_table(self))
 
@@ -95,12 +95,12 @@ class MemoryEstimate:
                 f", peak in {self.peak_phase})")
 
     def __repr__(self) -> str:
-        from .._render import estimate_repr
+        from .._views.text import estimate_repr
 
         return estimate_repr(self)
 
     def _repr_html_(self) -> str:
-        from .._html import estimate_html
+        from .._views.html import estimate_html
 
         return estimate_html(self)
 

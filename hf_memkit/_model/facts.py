@@ -1,16 +1,22 @@
-"""The layer structure the sharding arithmetic needs, read from a meta instance of the model."""
+"""The model's depth (``layer_count``, ``with_layers``: the trace's depth keys) and the layer
+structure the sharding arithmetic needs, read from a meta instance of the model."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from .._errors import HfMemkitError
 
 # Config keys that give a model's depth, under the names different families use (one list for
 # profile_model and the trace's depth).
 DEPTH_KEYS = ("num_hidden_layers", "num_layers", "n_layer")
 DECODER_DEPTH_KEYS = ("num_decoder_layers", "decoder_layers")
 ENCODER_DEPTH_KEYS = ("encoder_layers",)
+_LAYER_KEYS = DEPTH_KEYS + DECODER_DEPTH_KEYS + ENCODER_DEPTH_KEYS
 
 
 @dataclass
@@ -44,3 +50,30 @@ def model_facts(meta: torch.nn.Module) -> ModelFacts:
     module_params = max((sum(p.numel() for p in m.parameters(recurse=False))
                          for m in base.modules()), default=0)
     return ModelFacts(sum(seen.values()), layer_params, tail, module_params, layer_cls, tied)
+
+
+def layer_count(config: Any) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in DEPTH_KEYS:
+        v = getattr(text, key, None)
+        if isinstance(v, int):
+            return v
+    raise HfMemkitError(f"cannot find the layer count of `{type(config).__name__}`")
+
+
+def with_layers(config: Any, n: int) -> Any:
+    """A copy of ``config`` with ``n`` blocks (encoder and decoder alike); per-layer lists cut."""
+    cfg = copy.deepcopy(config)
+    full = layer_count(config)
+    targets = [cfg]
+    if hasattr(cfg, "get_text_config") and cfg.get_text_config() is not cfg:
+        targets.append(cfg.get_text_config())
+    for c in targets:
+        for key in _LAYER_KEYS:
+            v = getattr(c, key, None)
+            if isinstance(v, int) and v == full:
+                setattr(c, key, n)
+        for key, v in list(vars(c).items()):
+            if isinstance(v, list) and len(v) == full:  # layer_types, per-layer windows, ...
+                setattr(c, key, v[:n])
+    return cfg

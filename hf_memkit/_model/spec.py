@@ -18,8 +18,7 @@ from transformers import PretrainedConfig
 
 from .._errors import HfMemkitError, did_you_mean
 from .._optimizers import ParamInfo
-from .._trace import LoraSpec
-from .._trace_quant import quantizable_linears
+from .adapters import LoraSpec, quantizable_linears
 from .facts import ModelFacts, model_facts
 from .profile import build_model, logical_numel, to_config, unwrap_model
 from .tasks import normalize_task, task_of_class

@@ -21,7 +21,7 @@ from .._estimate.budget import resolve_headroom
 from .._methods import METHODS, Method, ladder, method_choices
 from .._model.profile import architecture_facts, unwrap_model
 from .._model.spec import loaded_weights
-from .._setup import training_args_fields
+from .._setup.fields import training_args_fields
 from .._trainers import trainer_of_args
 from .cost import Shape
 from .emit import ArgsContext, accelerator_kwargs, model_kwargs, parallel_summary, training_args

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._device import DeviceInfo
+from .._device.probe import DeviceInfo
 from .._engines import ENGINES, Sharding, comm_seconds
 from .._methods import METHODS
 from .._optimizers import get_optimizer_profile

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .._device import DeviceInfo
+from .._device.probe import DeviceInfo
 from .._engines import ENGINES, EmitContext, Sharding
 from .._estimate import MemoryEstimate
 from .._methods import METHODS

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple
 
-from .._cuda import parse_cuda_version
-from .._device import DeviceInfo, probe_device, resolve_device
+from .._cuda.runtime import parse_cuda_version
+from .._device.probe import DeviceInfo, probe_device, resolve_device
 from .._engines import engine_choices
 from .._errors import ConfigError, did_you_mean
 from .._estimate.budget import headroom_problem, memory_budget
 from .._methods import METHODS, method_choices
-from .._setup import config_fields, training_args_fields
+from .._setup.fields import config_fields, training_args_fields
 from .._trainers import TRAINERS
 from .._units import parse_bytes
 

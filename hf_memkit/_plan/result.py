@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from .._device import DeviceInfo
+from .._device.probe import DeviceInfo
 from .._engines import ENGINES, launch_commands
 from .._errors import HfMemkitError
 from .._estimate import MemoryEstimate
 from .._methods import METHODS
-from .._setup import training_args_fields
+from .._setup.fields import training_args_fields
 from .._techniques import TECHNIQUES
 from .._techniques.checkpointing import NAME as CHECKPOINTING
 from .._units import format_bytes
@@ -189,7 +189,7 @@ class Plan:
 
     # -- reading it ---------------------------------------------------------------------------
     def explain(self) -> str:
-        from .._render import plan_tables, render_to_text
+        from .._views.text import plan_tables, render_to_text
 
         return render_to_text(*plan_tables(self))
 
@@ -197,14 +197,18 @@ class Plan:
         return self.explain()
 
     def __repr__(self) -> str:
-        from .._render import plan_repr
+        from .._views.text import plan_repr
 
         return plan_repr(self)
 
     def _repr_html_(self) -> str:
-        from .._html import plan_html
+        from .._views.html import plan_html
 
         return plan_html(self)
+
+    def rejected_summary(self) -> dict[str, int]:
+        """How many setups were not estimated, by kind of reason."""
+        return ser.rejected_summary(self.candidates)
 
     def to_dict(self, *, full: bool = True) -> dict[str, Any]:
         """JSON-ready. ``chosen`` first: the chosen setup, its memory and its arguments.
@@ -213,7 +217,7 @@ class Plan:
         ``from_dict`` reads both forms."""
         cands = {"candidates": [c.to_dict() for c in self.candidates]} if full else {
             "candidates": ser.compact_candidates(self.candidates),
-            "candidates_not_estimated": ser.rejected_summary(self.candidates)}
+            "candidates_not_estimated": self.rejected_summary()}
         return {
             "chosen": ser.chosen_summary(self),
             "device": self.device.to_dict(), "model_name": ser.model_ref_to_json(self.model_name),

@@ -19,7 +19,7 @@ from .._errors import HfMemkitError
 from .._estimate import MemoryEstimate, TraceCache, estimate_for
 from .._estimate.phases import states_for
 from .._methods import Method
-from .._setup import TrainingSetup, normalize_args
+from .._setup.setup import TrainingSetup, normalize_args
 from .._trainers.packing import with_lengths
 from .._units import format_bytes
 from .cost import Shape, cost

@@ -13,7 +13,7 @@ import torch
 from transformers import PretrainedConfig
 
 from .._compat import is_flash_attn_available
-from .._device import DeviceInfo
+from .._device.probe import DeviceInfo
 from .._engines import ENGINES, Rung, all_rungs
 from .._errors import HfMemkitError
 from .._estimate import MemoryEstimate

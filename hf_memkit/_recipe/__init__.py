@@ -48,7 +48,7 @@ from __future__ import annotations
 from .load import bundled_recipes, bundled_recipes_dir, load_recipe, resolve_recipe_path
 from .schema import Recipe
 
-# package-internal: hf_memkit._train checks command-line pins with them
+# package-internal: hf_memkit._run.train checks command-line pins with them
 from .validate import Checker as Checker
 from .validate import check_pins as check_pins
 

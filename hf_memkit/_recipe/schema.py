@@ -48,7 +48,7 @@ class Recipe:
     tokenizer: str | None = _key("model.tokenizer", "local tokenizer directory (data from a file "
                                  "needs one; default: the model directory's own)", None)
     data: str = _key("data.source", "'synthetic' (random learnable token sequences, "
-                     "hf_memkit._synthetic.SyntheticTextDataset) or a local .txt (one example "
+                     "hf_memkit._run.synthetic.SyntheticTextDataset) or a local .txt (one example "
                      "per line) / .jsonl file", "synthetic")
     num_samples: int | None = _key("data.num_samples", "synthetic: number of samples (default: "
                                    "enough for max_steps); a file: use at most this many", None)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import ConfigError, HfMemkitError, did_you_mean
+from .checker import Checker, describe
 from .schema import (
     FIELDS,
     SECTIONS,
@@ -30,44 +31,6 @@ _REQUIRED = {"model.name": " (a catalog name, a model directory or a config.json
                            "plan --help)",
              "training.seq_len": " (tokens per sequence, e.g. 2048)",
              "training.target_batch_size": " (effective batch size, e.g. 32)"}
-
-
-def _describe(v: Any) -> str:
-    if isinstance(v, str):
-        return f"{v!r} (a string)" if v.strip().lstrip("-").replace(".", "", 1).isdigit() else repr(v)
-    if isinstance(v, bool):
-        return f"{v!r} (a boolean)"
-    return repr(v)
-
-
-class Checker:
-    """Collects problems as ``WHERE: KEY: message``; the typed getters add one when a value has
-    the wrong type and return None."""
-
-    def __init__(self, where: str):
-        self.where = where
-        self.problems: list[str] = []
-
-    def add(self, key: str, msg: str) -> None:
-        self.problems.append(f"{self.where}: {key}: {msg}")
-
-    def positive_int(self, key: str, v: Any) -> int | None:
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-        self.add(key, f"expected a positive integer, got {_describe(v)}")
-        return None
-
-    def string(self, key: str, v: Any) -> str | None:
-        if isinstance(v, str) and v:
-            return v
-        self.add(key, f"expected a non-empty string, got {_describe(v)}")
-        return None
-
-    def mapping(self, key: str, v: Any) -> dict | None:
-        if isinstance(v, dict):
-            return v
-        self.add(key, f"expected a mapping (key: value lines), got {_describe(v)}")
-        return None
 
 
 def _flatten(raw: dict, c: Checker) -> dict[str, Any]:
@@ -97,7 +60,7 @@ def _flatten_section(top: str, value: Any, c: Checker, leaves: dict[str, str]) -
     if not isinstance(value, dict):
         c.add(top, f"expected a mapping of {', '.join(sorted(SECTIONS[top]))}"
               + (f" (or a string: the {SHORTHAND[top]})" if top in SHORTHAND else "")
-              + f", got {_describe(value)}")
+              + f", got {describe(value)}")
         return {}
     flat: dict[str, Any] = {}
     for k, v in value.items():
@@ -309,7 +272,7 @@ def _hardware_section(st: _State) -> None:
             st.kw["headroom"] = float(hr)
         else:
             c.add("hardware.headroom", f"expected the fraction of device memory kept free, "
-                                       f"in [0, 1) (0.1 keeps 10% free), got {_describe(hr)}")
+                                       f"in [0, 1) (0.1 keeps 10% free), got {describe(hr)}")
         if flat.get("hardware.max_memory") is not None:
             warnings.warn(f"{c.where}: hardware.headroom ({hr}) is ignored: hardware.max_memory "
                           f"({flat['hardware.max_memory']}) is the whole budget; drop one of "
@@ -320,7 +283,7 @@ def _hardware_device(st: _State) -> None:
     device = st.flat.get("hardware.device")
     if device is None or not st.c.string("hardware.device", device):
         return
-    from .._device import get_device, list_devices
+    from .._device.probe import get_device, list_devices
 
     try:
         st.dev = get_device(device)
@@ -334,7 +297,7 @@ def _hardware_device(st: _State) -> None:
 
 def _hardware_cuda(st: _State) -> None:
     """``hardware.cuda_version``: 'major.minor'."""
-    from .._cuda import parse_cuda_version
+    from .._cuda.runtime import parse_cuda_version
 
     v = st.flat.get("hardware.cuda_version")
     if v is None:
@@ -344,7 +307,7 @@ def _hardware_cuda(st: _State) -> None:
         st.kw["cuda_version"] = v
     except HfMemkitError:
         st.c.add("hardware.cuda_version", f"expected a CUDA version such as '12.8' (quoted, "
-                                          f"major.minor), got {_describe(v)}")
+                                          f"major.minor), got {describe(v)}")
 
 
 def _hardware_size(st: _State, key: str, example: str) -> None:
@@ -360,7 +323,7 @@ def _hardware_size(st: _State, key: str, example: str) -> None:
         st.kw[key] = v
     except (ValueError, TypeError, HfMemkitError):
         st.c.add(f"hardware.{key}", f"expected bytes or a size such as '{example}', got "
-                                    f"{_describe(v)}")
+                                    f"{describe(v)}")
 
 
 # -- trainer, pins ----------------------------------------------------------------------------
@@ -375,7 +338,7 @@ def _trainer_section(st: _State) -> None:
 
     allowed = ", ".join(f"{k.name} ({k.title})" for k in TRAINERS)
     if not isinstance(v, str) or not v:
-        st.c.add("trainer", f"expected one of {allowed}, got {_describe(v)}")
+        st.c.add("trainer", f"expected one of {allowed}, got {describe(v)}")
         return
     try:
         name = trainer_of_args(None, v)
@@ -433,7 +396,7 @@ def _outputs_section(st: _State) -> None:
     if cbs is not None:
         if not isinstance(cbs, list) or not all(isinstance(x, str) for x in cbs):
             c.add("callbacks", f"expected a list of names ({', '.join(CALLBACKS)}), got "
-                               f"{_describe(cbs)}")
+                               f"{describe(cbs)}")
         else:
             for x in cbs:
                 if x not in CALLBACKS:

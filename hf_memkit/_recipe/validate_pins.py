@@ -5,13 +5,11 @@ for a recipe's ``trainer: sft`` / ``dpo``) that a recipe (or the command line) s
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._errors import ConfigError, HfMemkitError, did_you_mean
+from .checker import Checker
 from .schema import FIELDS, leaf_key
-
-if TYPE_CHECKING:
-    from .validate import Checker
 
 # Keys a recipe owns itself; pinning them is a mistake with a better spelling.
 _OWNED_PINS = {"output_dir": "output_dir"}
@@ -23,8 +21,8 @@ def check_pins(pins: dict[str, Any], c: Checker, *, dev: Any,
     ``TrainingArguments``). Every problem goes to ``c``: unknown fields, values the config
     rejects and precision the device lacks. (A micro-batch or accumulation that does not fit
     the target batch: ``PlanRequest``.)"""
-    from .._setup import normalize_args
-    from .fields import check_config_field, config_class, config_field_names
+    from .._setup.fields import check_config_field, config_class, config_field_names
+    from .._setup.setup import normalize_args
 
     cls = config_class(trainer)
     fields = config_field_names(cls)

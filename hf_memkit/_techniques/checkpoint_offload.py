@@ -51,6 +51,8 @@ from typing import Any
 
 import torch
 
+from .._compat import checkpointing_field
+from .._cuda.host import host_link_bandwidth, pinned_block
 from .._errors import HfMemkitError
 from .base import Technique, register
 from .checkpointing import resolve_checkpointing
@@ -118,23 +120,17 @@ def checkpointed_layers(model: torch.nn.Module, every_n_layers: int = 1) -> int:
 
     n = sum(isinstance(m, GradientCheckpointingLayer) for m in model.modules())
     if not n:
-        from .._trace import layer_count
+        from .._model.facts import layer_count
 
         n = layer_count(model.config)
     return math.ceil(n / max(1, every_n_layers))
 
 
-def pinned_block(nbytes: int) -> int:
-    """CachingHostAllocator's block for a request: the next power of two."""
-    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
-
-
-def _host_bytes(spec: Any, setup: Any, seq_len: int, options: Mapping[str, Any]) -> int:
-    from .._estimate.phases import trace_variant  # the dtype each rank computes in
-
+def _host_bytes(spec: Any, setup: Any, seq_len: int, options: Mapping[str, Any],
+                compute_dtype: torch.dtype) -> int:
     text = spec.config.get_text_config()
     hidden = int(getattr(text, "hidden_size", 0) or getattr(text, "d_model", 0) or 0)
-    itemsize = trace_variant(spec, setup)[0].dtype.itemsize
+    itemsize = compute_dtype.itemsize
     base = spec.meta.get_base_model() if hasattr(spec.meta, "get_base_model") else spec.meta
     layers = checkpointed_layers(base, setup.checkpoint_every_n_layers)
     return layers * pinned_block(setup.micro_batch * seq_len * hidden * itemsize)
@@ -152,9 +148,7 @@ def _available() -> bool:
 
 def _emit(on: bool, pins: Mapping[str, Any]) -> dict[str, Any]:
     """Merged into checkpointing's kwargs (``Technique.emit``: dict values merge)."""
-    from .checkpointing import field_name
-
-    return {field_name() + "_kwargs": {"offload": True}} if on else {}
+    return {checkpointing_field() + "_kwargs": {"offload": True}} if on else {}
 
 
 def _pinned(pins: Mapping[str, Any]) -> bool | None:
@@ -163,17 +157,6 @@ def _pinned(pins: Mapping[str, Any]) -> bool | None:
     given = any(f in pins for f in ("activation_checkpointing_kwargs",
                                     "gradient_checkpointing_kwargs"))
     return bool(kwargs.get("offload")) if given else None
-
-
-def host_link_bandwidth(dev: Any) -> float:
-    """Bytes/s one pinned copy moves between host and device: the PCIe generation of the
-    card's host link from its architecture (Hopper and later: Gen5; Ampere/Ada: Gen4; older:
-    Gen3), x16, at 80% of the link's 64/32/16 GB/s per direction (pinned ``cudaMemcpyAsync``
-    reaches about that: NVIDIA's bandwidthTest on H100 PCIe Gen5 ~ 50-55 GB/s, A100 Gen4
-    ~ 25 GB/s)."""
-    cc = getattr(dev, "compute_capability", None) or (0, 0)
-    per_direction = 64e9 if cc >= (9, 0) else 32e9 if cc >= (8, 0) else 16e9
-    return 0.8 * per_direction
 
 
 def _extra_seconds(*, shape: Any, dev: Any, itemsize: int) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .._compat import checkpointing_field
 from .base import Technique, register
 
 NAME = "activation_checkpointing"
@@ -37,7 +38,7 @@ def _read(explicit: Mapping[str, Any], get: Callable[[str], Any]) -> dict[str, A
 def _trace_hook(model: Any, options: Mapping[str, Any], *, stage: str, adapters: bool) -> None:
     if stage != "train":
         return
-    from .._trace import enable_checkpointing
+    from .._trace.step import enable_checkpointing
 
     reentrant = bool(options.get("use_reentrant", False))
     enable_checkpointing(model, {"use_reentrant": reentrant})
@@ -52,15 +53,9 @@ def _pinned(pins: Mapping[str, Any]) -> bool | None:
     return None
 
 
-def field_name() -> str:
-    from .._setup import training_args_fields
-
-    return NAME if NAME in training_args_fields() else "gradient_checkpointing"
-
-
 def _emit(on: bool, pins: Mapping[str, Any]) -> dict[str, Any]:
     """Non-reentrant (safe with PEFT) unless the user pinned checkpointing kwargs."""
-    f = field_name()
+    f = checkpointing_field()
     out: dict[str, Any] = {f: on}
     if on:
         out[f + "_kwargs"] = {"use_reentrant": False, **resolve_checkpointing(pins)[1]}
@@ -68,7 +63,7 @@ def _emit(on: bool, pins: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _prepare(model: Any) -> Any:
-    from .._trace import enable_checkpointing
+    from .._trace.step import enable_checkpointing
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     enable_checkpointing(base, {"use_reentrant": False})

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from .._techniques.liger import liger_layers_only
 from .base import BatchShape, TraceStep, TrainerKind, padded_length, register
 from .fused_head import DPO_OUTPUTS, add_head, fold_context
-from .liger import liger_layers_only
 
 
 def _read(get: Callable[[str], Any]) -> dict[str, Any]:

@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
+from .._cuda.host import pinned_block
 from .._errors import HfMemkitError
-from .._techniques.checkpoint_offload import pinned_block
 
 MIN_OFFLOAD_SIZE = 1024      # OffloadActivations defaults, as get_act_offloading_ctx_manager
 MAX_FWD_STASH_SIZE = 5       # passes them

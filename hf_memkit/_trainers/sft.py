@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .._techniques.liger import liger_layers_only
 from .base import BatchShape, TraceStep, TrainerKind, padded_length, register
 from .fused_head import SFT_OUTPUTS, add_head, fold_context
-from .liger import liger_layers_only
 
 
 def _read(get: Callable[[str], Any]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._calibration import (
+from .._device.calibration import (
     Calibration,
     add_residual,
     calibration_dir,
@@ -181,7 +181,7 @@ def worker_main(argv: list[str]) -> int:
     kind, payload, out = argv[0], json.loads(argv[1]), argv[2]
     try:
         if kind == "measure":
-            from .._calibration import measure_calibration
+            from .._device.measure import measure_calibration
 
             result, rc = {"calibration": measure_calibration(0).to_dict()}, 0
         elif kind == "check":
@@ -197,15 +197,13 @@ def worker_main(argv: list[str]) -> int:
 
 def check_fields(setup: CheckSetup, bf16: bool) -> dict[str, Any]:
     """The TrainingArguments fields of ``setup`` (field names as the installed transformers has)."""
-    from .._setup import training_args_fields
+    from .._compat import checkpointing_field
 
     fields: dict[str, Any] = {"per_device_train_batch_size": setup.batch, "optim": setup.optim}
     if setup.amp:
         fields["bf16" if bf16 else "fp16"] = True
     if setup.checkpointing:
-        names = training_args_fields()
-        fields["activation_checkpointing" if "activation_checkpointing" in names
-               else "gradient_checkpointing"] = True
+        fields[checkpointing_field()] = True
     return fields
 
 
@@ -215,12 +213,12 @@ def measure_check(setup: CheckSetup) -> dict[str, Any]:
     import torch
     from transformers import Trainer, TrainingArguments
 
-    from .._calibration import reference_config
     from .._compat import require
-    from .._device import nvml_handle, probe_device
+    from .._device.measure import reference_config
+    from .._device.probe import nvml_handle, probe_device
     from .._estimate import estimate_memory
     from .._model.profile import build_model
-    from .._synthetic import SyntheticTextDataset
+    from .._run.synthetic import SyntheticTextDataset
 
     pynvml = require("pynvml", "calibrate --check (NVML used)")
     dev = probe_device(0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .._demo import DEMO_RECIPE
+from .._run.demo import DEMO_RECIPE
 
 
 def demo_parser(sub) -> argparse.ArgumentParser:
@@ -28,8 +28,8 @@ def demo_parser(sub) -> argparse.ArgumentParser:
 def demo_command(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .._device import probe_device
-    from .._render import device_table
+    from .._device.probe import probe_device
+    from .._views.text import device_table
     from .train import run_train
 
     console = Console()

@@ -20,8 +20,8 @@ def devices_parser(sub) -> argparse.ArgumentParser:
 def devices_command(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .._device import get_device, list_devices
-    from .._render import catalog_table, print_tables
+    from .._device.probe import get_device, list_devices
+    from .._views.text import catalog_table, print_tables
 
     devs = [get_device(n) for n in list_devices()]
     if args.json:

@@ -63,9 +63,9 @@ def parse_field(text: str) -> tuple[str, object]:
     if not sep or not key.strip():
         raise FieldError(f"expected FIELD=VALUE (a TrainingArguments field, e.g. bf16=true or "
                          f"optim=adafactor), got `{text}`")
-    from .._setup import check_field, training_args_types
+    from .._setup.fields import check_field, field_types
 
-    if key in training_args_types():
+    if key in field_types():
         try:
             return Field(key, check_field(key, value), text)
         except HfMemkitError as exc:
@@ -82,7 +82,7 @@ def trainer_option(text: str | None) -> str | None:
     missing TRL says how to install it."""
     if text is None:
         return None
-    from .._recipe.fields import config_class
+    from .._setup.fields import config_class
     from .._trainers import trainer_of_args
 
     try:
@@ -101,7 +101,7 @@ def trainer_fields(fields: list, trainer: str | None, *, also: tuple[str, ...] =
     if trainer in (None, "trainer"):
         return dict(fields)
     from .._errors import ConfigError
-    from .._recipe.fields import check_config_field, config_class
+    from .._setup.fields import check_config_field, config_class
 
     cls = config_class(trainer)
     out, problems = {}, []
@@ -250,7 +250,7 @@ def estimate_command(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from .._estimate import estimate_memory  # torch and transformers: only when a command runs
-    from .._render import estimate_table, print_tables
+    from .._views.text import estimate_table, print_tables
 
     args.trainer = trainer_option(args.trainer)
     fields = trainer_fields(args.fields, args.trainer)

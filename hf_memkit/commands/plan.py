@@ -154,7 +154,7 @@ def plan_command(args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
-        from .._render import plan_tables, print_tables
+        from .._views.text import plan_tables, print_tables
 
         print_tables(Console(), *plan_tables(plan))
     return 0

@@ -21,8 +21,8 @@ def probe_parser(sub) -> argparse.ArgumentParser:
 def probe_command(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .._device import probe_device
-    from .._render import device_table, print_tables
+    from .._device.probe import probe_device
+    from .._views.text import device_table, print_tables
 
     dev = probe_device(args.index)
     if args.json:

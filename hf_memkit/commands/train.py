@@ -52,7 +52,7 @@ def train_parser(sub) -> argparse.ArgumentParser:
 
 
 def memory_log_table(result) -> Table:
-    from .._render import add_column, add_row, new_table
+    from .._views.text import add_column, add_row, new_table
 
     t = new_table("memory at each logging step (MemoryCallback)")
     for col in ("step", "peak\nallocated", "predicted\npeak", "measured /\npredicted",
@@ -69,7 +69,7 @@ def memory_log_table(result) -> Table:
 
 def summary_table(result) -> Table:
     # plain-text cells (_render): rich markup would eat the "[plot]" of "hf-memkit[plot]"
-    from .._render import add_column, add_row, new_table
+    from .._views.text import add_column, add_row, new_table
 
     t = new_table(f"trained {result.recipe}", show_header=False)
     add_column(t, "field", style="bold")
@@ -106,9 +106,15 @@ def run_train(recipe_ref: str, *, output_dir: str | None = None, max_steps: int 
     from rich.console import Console
 
     from .._recipe import load_recipe
-    from .._render import plan_tables, print_tables
-    from .._train import check_trainable_here, plan_recipe, train_recipe, with_max_steps, with_pins
-    from .._train_trl import check_trl_trainable
+    from .._run.train import (
+        check_trainable_here,
+        plan_recipe,
+        train_recipe,
+        with_max_steps,
+        with_pins,
+    )
+    from .._run.trl import check_trl_trainable
+    from .._views.text import plan_tables, print_tables
 
     console = console or Console()
     recipe = load_recipe(recipe_ref)
@@ -173,7 +179,7 @@ def reexec_with_mmap_threshold(recipe_ref: str) -> None:
     when ``hf-memkit`` was not the program started (``main([...])`` called from Python)."""
     import platform
 
-    from .._rss import MMAP_THRESHOLD
+    from .._device.rss import MMAP_THRESHOLD
 
     if ("MALLOC_MMAP_THRESHOLD_" in os.environ or os.environ.get(REEXEC_GUARD)
             or not sys.argv or not sys.argv[0].endswith(_CLI_SCRIPTS)

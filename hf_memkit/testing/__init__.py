@@ -4,6 +4,8 @@
   peak tensor memory measured in a child process (``measure_trainer_peak``);
 * :mod:`.groundtruth_dist`: the same per rank for 2-process DDP / FSDP2 / DeepSpeed runs on CPU
   under torchrun (``measure_distributed_peak``; ranks run :mod:`._dist_worker`);
+* :mod:`.models`: the model and synthetic examples a spec describes (``build_model``,
+  ``synthetic_examples``), shared by the harnesses;
 * :mod:`.simulate`: a simulated device-memory budget on CPU (``SimulatedMemoryBudget``).
 
 Nothing is imported here: import the submodule you need (``simulate`` imports torch).

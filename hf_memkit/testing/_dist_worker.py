@@ -17,9 +17,10 @@ import tempfile
 import time
 from typing import Any
 
-from .._rss import alive_cpu_tensor_bytes
-from .groundtruth import build_model, close_window, open_window, synthetic_examples
+from .._device.rss import alive_cpu_tensor_bytes
+from .groundtruth import close_window, open_window
 from .groundtruth_dist import OUT_ENV
+from .models import build_model, synthetic_examples
 
 
 def _tensor_bytes(t) -> int:
@@ -44,7 +45,7 @@ def _digest(tensors) -> str:
 
 def _data(spec: dict[str, Any], config: Any, n: int, seed: int) -> list[dict[str, Any]]:
     if spec.get("learnable"):
-        from .._synthetic import SyntheticTextDataset
+        from .._run.synthetic import SyntheticTextDataset
 
         ds = SyntheticTextDataset(vocab_size=config.get_text_config().vocab_size,
                                   seq_len=spec["seq_len"], num_samples=n, seed=seed)

@@ -74,7 +74,7 @@ def make_trl_trainer(spec: dict[str, Any], model: Any, a: dict[str, Any], n: int
     import datasets
     import trl
 
-    from .groundtruth import build_model
+    from .models import build_model
 
     vocab = model.config.get_text_config().vocab_size
     kind = spec["trainer"]

@@ -1,0 +1,178 @@
+"""Trace what a CUDA target runs, on CPU fake tensors (``emulate_cuda``): CUDA's autocast policy
+(``autocast``), the SDPA kernel CUDA would pick (``sdpa``), and CUDA's fused dropout.
+
+The trace runs on this machine's CPU (``_trace``), where torch takes CPU code paths that allocate
+differently from CUDA (../shared/DESIGN.md, stack facts):
+
+* **SDPA.** ``sdpa_kernel`` follows aten/src/ATen/native/transformers/cuda/sdp_utils.cpp
+  (``select_sdp_backend``, ``can_use_flash_attention``, ``can_use_mem_efficient_attention``,
+  ``check_cudnn_tensor_shapes``, ``priority_order``), and the trace calls that kernel's aten op
+  (``_scaled_dot_product_flash_attention`` / ``_efficient_attention`` / ``_cudnn_attention``),
+  whose meta kernels and autograd formulas save exactly what CUDA saves for backward: the output,
+  the log-sum-exp rows and the philox RNG state (no attention matrix, dropout or not). The math
+  fallback materialises the attention matrix, with CUDA's bool dropout mask.
+* **Dropout.** ``at::dropout`` (aten/src/ATen/native/Dropout.cpp) takes ``native_dropout`` when
+  ``is_fused_kernel_acceptable`` (CUDA, 0 < p < 1): output + a 1-byte bool mask. On CPU it
+  takes ``_dropout_impl``: a noise tensor of the input's dtype kept for backward (4 bytes per
+  element in fp32).
+
+Optimizer temporaries (foreach on CUDA, single-tensor on CPU, fused) are modelled per device kind
+in ``_optimizers``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .autocast import cast_eligible, cuda_autocast
+from .sdpa import SdpaCall, sdpa_kernel
+from .target import CudaTarget
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+class _FusedAttention(torch.autograd.Function):
+    """A fused CUDA attention kernel's memory: the forward's outputs from the kernel's own aten op
+    (meta shapes: output, log-sum-exp, RNG state); saved for backward as the aten autograd
+    formula saves them (tools/autograd/derivatives.yaml: query, key, value, output, logsumexp,
+    philox seed/offset, the bias); the backward allocates the gradients and the kernel's own
+    temporaries (flash_attn/flash_api.cpp ``mha_bwd``: ``softmax_d`` [B, H, S_q rounded to 128]
+    fp32, ``dq_accum`` [B, S_q rounded, H, head_dim rounded] fp32, and for GQA ``dk_expanded`` /
+    ``dv_expanded`` [B, S_k, H, D]; the memory-efficient backward keeps the same fp32 row
+    statistics and grad-q accumulator)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, kernel, dropout, causal, scale, grad):  # noqa: D102
+        aten = torch.ops.aten
+        if kernel == "flash":
+            outs = aten._scaled_dot_product_flash_attention(q, k, v, dropout, causal, False,
+                                                            scale=scale)
+            saved = (outs[0], outs[1], outs[6], outs[7])
+        elif kernel == "efficient":
+            outs = aten._scaled_dot_product_efficient_attention(q, k, v, mask, grad, dropout,
+                                                                causal, scale=scale)
+            saved = tuple(outs[:4])
+        else:
+            outs = aten._scaled_dot_product_cudnn_attention(q, k, v, mask, grad, dropout,
+                                                            causal, False, scale=scale)
+            saved = (outs[0], outs[1], outs[6], outs[7])
+        ctx.kernel = kernel
+        ctx.save_for_backward(q, k, v, mask, *saved)
+        return saved[0]
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: D102
+        q, k, v, mask = ctx.saved_tensors[:4]
+        b, h, s_q, d = q.shape
+        temps = []
+        if ctx.kernel in ("flash", "efficient"):
+            s_rounded = _round_up(s_q, 128)
+            temps.append(torch.empty(b, h, s_rounded, dtype=torch.float32))
+            temps.append(torch.empty(b, s_rounded, h, _round_up(d, 32 if d <= 128 else 64),
+                                     dtype=torch.float32))
+        if k.shape[1] != h:
+            temps += [torch.empty(b, k.shape[2], h, d, dtype=k.dtype) for _ in range(2)]
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        del temps
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _bool_mask_to_float(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sdp_utils ``convert_boolean_attn_mask``: a new additive mask of the query dtype."""
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill_(mask.logical_not(), -math.inf)
+
+
+def _math_attention(q, k, v, mask, dropout, causal, scale, enable_gqa):
+    """aten ``_scaled_dot_product_attention_math`` with CUDA's dropout (bool mask)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    root = math.sqrt(scale)
+    attn = (q * root) @ (k * root).transpose(-2, -1)
+    if causal:
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        attn = attn + _bool_mask_to_float(keep, attn.dtype)
+    if mask is not None:
+        attn = attn + mask
+    attn = torch.softmax(attn, -1)
+    if dropout > 0:
+        attn = torch.ops.aten.native_dropout(attn, dropout, True)[0]
+    return attn @ v
+
+
+_F = torch.nn.functional
+_SDPA, _DROPOUT = _F.scaled_dot_product_attention, _F.dropout
+
+
+class CudaOps:
+    """Routes ``F.scaled_dot_product_attention`` to the kernel CUDA would pick and ``F.dropout``
+    to CUDA's fused dropout while entered (both are looked up on ``torch.nn.functional`` at call
+    time by transformers and ``nn.Dropout``; a patch, unlike a TorchFunctionMode, also holds
+    during checkpoint recomputation inside the backward)."""
+
+    def __init__(self, target: CudaTarget):
+        self.target = target
+        self.kernels: list[str] = []   # the kernel of each SDPA call, in order
+
+    def __enter__(self) -> CudaOps:
+        _F.scaled_dot_product_attention, _F.dropout = self._sdpa, _dropout
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _F.scaled_dot_product_attention, _F.dropout = _SDPA, _DROPOUT
+
+    def _sdpa(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False):
+        if q.dim() != 4:
+            return _SDPA(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
+                         enable_gqa=enable_gqa)
+        autocast = torch.is_autocast_enabled("cpu")
+        if autocast:  # scaled_dot_product_attention is lower_precision_fp on CUDA
+            lower = torch.get_autocast_dtype("cpu")
+            q, k, v, attn_mask = (cast_eligible(t, lower) for t in (q, k, v, attn_mask))
+        with torch.autocast("cpu", enabled=False) if autocast else contextlib.nullcontext():
+            if attn_mask is not None and attn_mask.dtype == torch.bool:
+                attn_mask = _bool_mask_to_float(attn_mask, q.dtype)
+            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+            call = SdpaCall(q.dtype, q.shape[-1], v.shape[-1], q.shape[1], k.shape[1],
+                            q.shape[2], k.shape[2], attn_mask is not None, float(dropout_p),
+                            bool(is_causal), bool(enable_gqa), grad)
+            kernel = sdpa_kernel(self.target, call)
+            self.kernels.append(kernel)
+            if kernel == "math":
+                return _math_attention(q, k, v, attn_mask, dropout_p, is_causal, scale,
+                                       enable_gqa)
+            if attn_mask is not None and kernel == "efficient":
+                # attention.cu preprocess_mask: expand, then pad the last dim to 16 (pad_bias)
+                b, h, s_q, s_k = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+                attn_mask = attn_mask.expand(b, h, s_q, s_k)
+                if s_k % 16:
+                    attn_mask = torch.nn.functional.pad(
+                        attn_mask, (0, 16 - s_k % 16))[..., :s_k]
+            return _FusedAttention.apply(q, k, v, attn_mask, kernel, float(dropout_p),
+                                         bool(is_causal), scale, grad)
+
+
+def _dropout(input, p=0.5, training=True, inplace=False):  # noqa: A002 - F.dropout's names
+    """``at::dropout`` on CUDA: ``native_dropout`` (bool mask) when 0 < p < 1 and not in place."""
+    if training and 0 < p < 1 and not inplace and input.numel() > 0:
+        return torch.ops.aten.native_dropout(input, p, True)[0]
+    return _DROPOUT(input, p, training, inplace)
+
+
+@contextlib.contextmanager
+def emulate_cuda(target: CudaTarget | None) -> Iterator[CudaOps | None]:
+    """Trace as ``target`` runs (None: this CPU, unchanged)."""
+    if target is None:
+        yield None
+        return
+    with cuda_autocast(), CudaOps(target) as ops:
+        yield ops

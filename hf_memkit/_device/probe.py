@@ -1,0 +1,386 @@
+"""Which device we plan for: ``probe_device`` (this machine) and ``get_device`` (the catalog).
+
+Data flow: ``probe_device() / get_device() -> DeviceInfo -> estimate_memory / plan_training``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import platform
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from .._errors import HfMemkitError
+from . import catalog as _gpu_catalog
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One device a training run can be planned for (one GPU of a node, or the CPU)."""
+
+    name: str = field(metadata={"help": "Device name, e.g. 'A100-80GB' or 'NVIDIA A100-SXM4-80GB'."})
+    kind: str = field(metadata={"help": "'cuda', 'cpu' or 'mps'."})
+    total_memory: int = field(metadata={"help": "Bytes of device memory (system RAM on CPU)."})
+    free_memory: int | None = field(
+        default=None, metadata={"help": "Bytes free now; None when unknown (catalog entries)."}
+    )
+    compute_capability: tuple[int, int] | None = field(
+        default=None, metadata={"help": "CUDA (major, minor); None off CUDA."}
+    )
+    supports_bf16: bool = field(default=False, metadata={"help": "bf16 usable for training."})
+    supports_tf32: bool = field(default=False, metadata={"help": "TF32 tensor-core matmuls."})
+    supports_fp16_tensor_cores: bool = field(
+        default=False, metadata={"help": "fp16 tensor cores (Volta and newer)."}
+    )
+    count: int = field(default=1, metadata={"help": "Devices of this kind visible (or planned)."})
+    index: int | None = field(default=None, metadata={"help": "Device index when probed."})
+    mig: bool = field(default=False, metadata={"help": "A MIG slice of a larger GPU."})
+    source: str = field(
+        default="catalog", metadata={"help": "'nvml', 'torch.cuda', 'mps', 'psutil' or 'catalog'."}
+    )
+    catalog_name: str | None = field(
+        default=None, metadata={"help": "The matching catalog entry (peak TFLOP/s, bandwidth)."}
+    )
+    peak_tflops: dict[str, float] = field(
+        default_factory=dict, metadata={"help": "Dense peak TFLOP/s by math mode (catalog)."}
+    )
+    memory_bandwidth: float | None = field(default=None, metadata={"help": "Bytes/s (catalog)."})
+    interconnect: str | None = field(default=None, metadata={"help": "'nvlink4', 'pcie4', ..."})
+    interconnect_bandwidth: float | None = field(
+        default=None, metadata={"help": "Bidirectional GPU-to-GPU bytes/s (catalog)."}
+    )
+    driver_version: str | None = field(default=None, metadata={"help": "NVIDIA driver, if probed."})
+
+    def __post_init__(self):
+        if self.kind not in ("cuda", "cpu", "mps"):
+            raise HfMemkitError(f"DeviceInfo.kind `{self.kind}` is not one of cuda, cpu, mps")
+        if self.total_memory <= 0:
+            raise HfMemkitError(
+                f"DeviceInfo.total_memory must be a positive number of bytes, got {self.total_memory}"
+            )
+        if self.count < 1:
+            raise HfMemkitError(f"DeviceInfo.count must be at least 1, got {self.count}")
+
+    def replace(self, **changes: Any) -> DeviceInfo:
+        """A copy with some fields changed, e.g. ``dev.replace(total_memory=8 * GiB)``."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        if d["compute_capability"] is not None:
+            d["compute_capability"] = list(d["compute_capability"])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DeviceInfo:
+        d = dict(d)
+        if d.get("compute_capability") is not None:
+            d["compute_capability"] = tuple(d["compute_capability"])
+        return cls(**d)
+
+
+# ----------------------------------------------------------------------------------------------
+# The catalog: planning for hardware you do not have
+# ----------------------------------------------------------------------------------------------
+
+
+def list_devices() -> list[str]:
+    """Canonical names of the bundled GPU catalog (aliases are accepted by ``get_device``)."""
+    return sorted(_gpu_catalog.catalog())
+
+
+def _from_spec(spec: _gpu_catalog.GpuSpec, **extra: Any) -> DeviceInfo:
+    fields = dict(
+        name=spec.name,
+        kind="cuda",
+        total_memory=spec.memory,
+        free_memory=None,
+        compute_capability=spec.compute_capability,
+        supports_bf16=spec.supports_bf16,
+        supports_tf32=spec.supports_tf32,
+        supports_fp16_tensor_cores=spec.supports_fp16_tensor_cores,
+        source="catalog",
+        catalog_name=spec.name,
+        peak_tflops=dict(spec.tflops),
+        memory_bandwidth=spec.memory_bandwidth,
+        interconnect=spec.interconnect,
+        interconnect_bandwidth=spec.interconnect_bandwidth,
+    )
+    fields.update(extra)
+    return DeviceInfo(**fields)
+
+
+def get_device(name: str, *, count: int = 1) -> DeviceInfo:
+    """A catalog GPU by name (case-insensitive, common aliases), e.g. ``get_device("a100")``.
+
+    ``"cpu"`` gives this machine's CPU, as ``probe_device`` would.
+    """
+    if isinstance(name, DeviceInfo):
+        return name
+    if str(name).lower() == "cpu":
+        return probe_cpu()
+    spec = _gpu_catalog.lookup(str(name))
+    if spec is None:
+        raise HfMemkitError(
+            f"unknown GPU `{name}`; known: {', '.join(list_devices())} "
+            "(aliases such as 'a100' or 'NVIDIA A100-SXM4-80GB' work too; see `hf-memkit devices`)"
+        )
+    return _from_spec(spec, count=count)
+
+
+def resolve_device(device: DeviceInfo | str | None) -> DeviceInfo:
+    """``DeviceInfo`` as given, a catalog name, ``"cpu"``, or ``None`` for ``probe_device()``."""
+    if device is None:
+        return probe_device()
+    if isinstance(device, DeviceInfo):
+        return device
+    if isinstance(device, str):
+        return get_device(device)
+    raise HfMemkitError(
+        f"device must be a DeviceInfo, a catalog name such as 'A100-80GB', 'cpu' or None; "
+        f"got {type(device).__name__}"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Probing this machine
+# ----------------------------------------------------------------------------------------------
+
+
+def probe_device(index: int = 0) -> DeviceInfo:
+    """Describe device ``index`` of this machine: CUDA (NVML, else torch.cuda), else MPS, else CPU.
+
+    Never raises for a missing driver: a machine without CUDA gets its CPU (or MPS) described.
+    """
+    import torch  # here, not at module level: `hf-memkit devices` and `--help` need no torch
+
+    if _cuda_available():
+        count = torch.cuda.device_count()
+        if not 0 <= index < count:
+            raise HfMemkitError(
+                f"CUDA device index {index} does not exist; this machine shows {count} "
+                f"device(s): 0..{count - 1}"
+            )
+        return _probe_cuda(index, count)
+    if _mps_available():
+        return _probe_mps()
+    return probe_cpu()
+
+
+_WARNED: set[str] = set()   # keys of the warnings already given in this process
+
+NVML_MISSING = ("nvidia-ml-py is not installed, so NVML readings are lost: the driver version, "
+                "MIG detection, what nvidia-smi shows (MemoryCallback's memory/nvml_used_gib, "
+                "memory/gpu_util) and calibration residuals; free memory comes from "
+                "torch.cuda.mem_get_info. Fix: pip install nvidia-ml-py (or 'hf-memkit[nvml]')")
+CUDA_FIX = ("check the driver with `nvidia-smi` and that torch's CUDA build matches it, or plan "
+            "for the GPU by name (get_device('A100-80GB'), `hf-memkit plan ... --gpu A100-80GB`)")
+
+
+def warn_once(key: str, msg: str) -> None:
+    """``logger.warning(msg)`` the first time ``key`` is seen in this process, then never again."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(msg)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception as exc:  # a broken driver install must not crash a probe
+        warn_once("cuda_available",
+                  f"torch.cuda.is_available() raised {type(exc).__name__}: {exc}; treating this "
+                  f"machine as having no CUDA GPU: probe_device() describes the CPU (or MPS) and "
+                  f"plans for this machine target it; {CUDA_FIX}")
+        return False
+
+
+def _mps_available() -> bool:
+    import torch
+
+    try:
+        return bool(torch.backends.mps.is_available())
+    except Exception:
+        return False
+
+
+def _probe_cuda(index: int, count: int) -> DeviceInfo:
+    import torch
+
+    try:
+        props = torch.cuda.get_device_properties(index)
+    except Exception as exc:  # a broken driver or CUDA install
+        return _probe_cuda_without_torch(index, count, exc)
+    cc = (int(props.major), int(props.minor))
+    nvml = _nvml_query(index)
+    if nvml is not None and nvml["mig"]:
+        # A MIG slice: CUDA sees the slice; NVML's parent-device memory would be the whole card.
+        free, total = _torch_mem_get_info(index, props)
+        name, source = str(props.name), "nvml"
+    elif nvml is not None:
+        free, total, name, source = nvml["free"], nvml["total"], nvml["name"], "nvml"
+    else:
+        free, total = _torch_mem_get_info(index, props)
+        name, source = str(props.name), "torch.cuda"
+    spec = _gpu_catalog.lookup(name)
+    return DeviceInfo(
+        name=name,
+        kind="cuda",
+        total_memory=int(total),
+        free_memory=None if free is None else int(free),
+        compute_capability=cc,
+        supports_bf16=cc >= (8, 0),  # Ampere and newer (torch.cuda.is_bf16_supported agrees)
+        supports_tf32=cc >= (8, 0),
+        supports_fp16_tensor_cores=cc >= (7, 0),
+        count=count,
+        index=index,
+        mig=bool(nvml and nvml["mig"]),
+        source=source,
+        catalog_name=spec.name if spec else None,
+        peak_tflops=dict(spec.tflops) if spec else {},
+        memory_bandwidth=spec.memory_bandwidth if spec else None,
+        interconnect=spec.interconnect if spec else None,
+        interconnect_bandwidth=spec.interconnect_bandwidth if spec else None,
+        driver_version=nvml["driver"] if nvml else None,
+    )
+
+
+def _probe_cuda_without_torch(index: int, count: int, exc: Exception) -> DeviceInfo:
+    """torch.cuda cannot describe the device: NVML's name and the catalog entry (its compute
+    capability), else the CPU; a warning says which and what is lost."""
+    nvml = _nvml_query(index)
+    spec = _gpu_catalog.lookup(nvml["name"]) if nvml and not nvml["mig"] else None
+    what = f"torch.cuda.get_device_properties({index}) raised {type(exc).__name__}: {exc}"
+    if spec is None:
+        warn_once("cuda_props", f"{what}; describing the CPU instead (NVML and the GPU catalog "
+                                f"could not identify the GPU), so estimates and plans for this "
+                                f"machine are for its CPU; {CUDA_FIX}")
+        return probe_cpu()
+    warn_once("cuda_props", f"{what}; GPU {index} is described from NVML ({nvml['name']}) and "
+                            f"the catalog entry {spec.name} (compute capability "
+                            f"{spec.compute_capability[0]}.{spec.compute_capability[1]}); "
+                            f"training on it will likely fail as well: {CUDA_FIX}")
+    return _from_spec(spec, name=nvml["name"], total_memory=nvml["total"],
+                      free_memory=nvml["free"], count=count, index=index, source="nvml",
+                      driver_version=nvml["driver"])
+
+
+def _torch_mem_get_info(index: int, props: Any) -> tuple[int | None, int]:
+    import torch
+
+    try:
+        free, total = torch.cuda.mem_get_info(index)
+        return int(free), int(total)
+    except Exception as exc:
+        logger.warning("torch.cuda.mem_get_info failed (%s); free memory unknown", exc)
+        return None, int(props.total_memory)
+
+
+def nvml_handle(pynvml: Any, index: int) -> Any:
+    """NVML enumerates in PCI order; CUDA in CUDA_VISIBLE_DEVICES order. Map one to the other."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if visible:
+        entries = [v.strip() for v in visible.split(",") if v.strip()]
+        if index < len(entries):
+            entry = entries[index]
+            if entry.isdigit():
+                return pynvml.nvmlDeviceGetHandleByIndex(int(entry))
+            return pynvml.nvmlDeviceGetHandleByUUID(entry)
+    return pynvml.nvmlDeviceGetHandleByIndex(index)
+
+
+def _nvml_query(index: int) -> dict[str, Any] | None:
+    """NVML facts for CUDA device ``index``, or None when NVML is missing or fails."""
+    try:
+        import pynvml  # nvidia-ml-py
+    except ImportError:
+        warn_once("nvml_missing", NVML_MISSING)
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:
+        logger.warning("NVML failed to initialise (%s); using torch.cuda for device memory", exc)
+        return None
+    try:
+        handle = nvml_handle(pynvml, index)
+        name = pynvml.nvmlDeviceGetName(handle)
+        if isinstance(name, bytes):
+            name = name.decode()
+        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        try:
+            current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
+            mig = current == getattr(pynvml, "NVML_DEVICE_MIG_ENABLE", 1)
+        except Exception:  # NVML_ERROR_NOT_SUPPORTED on cards without MIG
+            mig = False
+        try:
+            driver = pynvml.nvmlSystemGetDriverVersion()
+            driver = driver.decode() if isinstance(driver, bytes) else str(driver)
+        except Exception:
+            driver = None
+        return {"name": str(name), "total": int(mem.total), "free": int(mem.free), "mig": mig,
+                "driver": driver}
+    except Exception as exc:
+        logger.warning("NVML query failed (%s); using torch.cuda for device memory", exc)
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def _probe_mps() -> DeviceInfo:
+    import torch
+
+    vm = psutil.virtual_memory()
+    total = vm.total
+    try:  # the GPU's share of unified memory, where torch reports it (torch >= 2.3)
+        total = int(torch.mps.recommended_max_memory()) or total
+    except Exception:
+        pass
+    try:
+        torch.ones(1, dtype=torch.bfloat16, device="mps")
+        bf16 = True
+    except Exception:  # macOS < 14 has no bf16 on MPS
+        bf16 = False
+    return DeviceInfo(
+        name="Apple MPS", kind="mps", total_memory=int(total), free_memory=int(vm.available),
+        supports_bf16=bf16, source="mps",
+    )
+
+
+def probe_cpu() -> DeviceInfo:
+    """The CPU as a training device: system RAM, and bf16 as torch's CPU autocast offers it."""
+    vm = psutil.virtual_memory()
+    name = _cpu_model_name() or platform.processor() or platform.machine() or "CPU"
+    return DeviceInfo(
+        name=name,
+        kind="cpu",
+        total_memory=int(vm.total),
+        free_memory=int(vm.available),
+        # torch's CPU autocast runs bf16 on every x86/ARM CPU (natively with AVX512-BF16/AMX,
+        # emulated otherwise); TrainingArguments accepts bf16 with use_cpu=True.
+        supports_bf16=True,
+        count=1,
+        index=None,
+        source="psutil",
+    )
+
+
+def _cpu_model_name() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None

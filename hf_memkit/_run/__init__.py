@@ -1,0 +1,12 @@
+"""``hf-memkit train`` and ``hf-memkit demo``: a recipe planned, built and trained for real.
+
+* ``train``: ``Recipe`` -> ``Plan`` -> model -> trainer + callbacks -> ``TrainResult``;
+* ``data``: the recipe's rows (synthetic, text or JSONL) and its tokenizer;
+* ``trl``: the data TRL's trainers take (a word-level tokenizer, preference pairs);
+* ``stop``: a run stopped by Ctrl-C or an error keeps what exists;
+* ``demo``: the README's end-to-end slice;
+* ``synthetic``: synthetic data and tiny models (the demo, tests and benchmarks train on them).
+
+The top of the product: it may import every room below it (recipes, plans, callbacks, the OOM
+guard); only the CLI and ``hf_memkit.testing`` import it.
+"""
