@@ -30,7 +30,7 @@ Without a CUDA GPU it says so and exits 0. bitsandbytes, deepspeed, TRL and Lige
 imported at top level; a case runs only where what it needs imports (``Case.needs``: bitsandbytes
 for 8-bit AdamW and QLoRA, ``trl`` for ``trainer="sft"`` / ``"dpo"``, ``liger_kernel`` for
 ``use_liger_kernel``), else it is recorded as skipped. TRL cases train through
-``hf_memkit._run.trl`` (what ``hf-memkit train`` builds): ``SFTConfig`` / ``DPOConfig`` with
+``TrainerKind.build`` (what ``hf-memkit train`` builds): ``SFTConfig`` / ``DPOConfig`` with
 ``max_length = seq_len``, SFT rows of ``seq_len`` pre-tokenized tokens, DPO pairs whose prompt +
 chosen is ``seq_len`` tokens (rejected one shorter), DPO's reference the LoRA policy's own
 adapters, else a frozen copy.
@@ -468,26 +468,21 @@ def _window_callback(window: Window) -> Any:
 
 def args_class(case: Case) -> type:
     """``TrainingArguments``, or TRL's ``SFTConfig`` / ``DPOConfig`` for a TRL case."""
-    if case.trainer == "trainer":
-        import transformers
+    from hf_memkit._trainers import TRAINERS
 
-        return transformers.TrainingArguments
-    import trl
-
-    return {"sft": trl.SFTConfig, "dpo": trl.DPOConfig}[case.trainer]
+    return TRAINERS.get(case.trainer).config_type()
 
 
 def trl_trainer(case: Case, model: Any, args: Any, data: list[dict[str, Any]],
                 callbacks: list[Any]) -> Any:
-    """TRL's trainer as ``hf-memkit train`` builds it (``hf_memkit._run.trl``): SFT over the
-    rows' ``input_ids`` (``seq_len`` tokens, pre-tokenized), DPO over ``preference_pair`` s made
-    from them; both with the in-memory ``word_tokenizer``."""
-    from hf_memkit._run.trl import dpo_trainer, sft_trainer
+    """TRL's trainer as ``hf-memkit train`` builds it (``TrainerKind.build``): SFT over the
+    rows' ``input_ids`` (``seq_len`` tokens, pre-tokenized), DPO over preference pairs made
+    from them; both with the in-memory word-level tokenizer (``hf_memkit._trainers.data``)."""
+    from hf_memkit._trainers import TRAINERS
 
-    if case.trainer == "dpo":
-        return dpo_trainer(model=model, args=args, rows=data, callbacks=callbacks)
-    return sft_trainer(model=model, args=args, rows=data, processing_class=None,
-                       callbacks=callbacks)
+    return TRAINERS.get(case.trainer).build(model=model, args=args, rows=data,
+                                            data_collator=None, processing_class=None,
+                                            callbacks=callbacks, oom_guard=False)
 
 
 def train(case: Case, model: Any, data: list[dict[str, Any]], window: Window, workdir: str,

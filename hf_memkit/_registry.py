@@ -2,12 +2,13 @@
 
 Each entry lives in a file of its own and calls ``REGISTRY.register(entry)`` at import; the
 package's ``__init__`` imports every entry file, so importing the package fills its registry.
-Lookups of an unknown name raise ``HfMemkitError`` naming what is allowed (STYLE.md §2).
+Lookups of an unknown name raise ``HfMemkitError`` naming what is allowed (STYLE.md §2); a name
+a registry refuses on purpose (``refuse``: an optimizer whose memory is not modelled) says why.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 from ._errors import HfMemkitError, did_you_mean
@@ -16,21 +17,31 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    """Name -> entry, in registration order. ``kind`` names the concept in error messages."""
+    """Name -> entry, in registration order. ``kind`` names the concept in error messages;
+    ``normalize`` maps a name or alias to its lookup key (default: as written; the GPU catalog
+    ignores case, punctuation and vendor words)."""
 
-    def __init__(self, kind: str, hint: str = "") -> None:
+    def __init__(self, kind: str, hint: str = "",
+                 normalize: Callable[[str], str] | None = None) -> None:
         self.kind = kind
         self.hint = hint
+        self._normalize = normalize or (lambda name: name)
         self._entries: dict[str, T] = {}
-        self._aliases: dict[str, str] = {}
+        self._aliases: dict[str, str] = {}     # alias as written -> entry name
+        self._keys: dict[str, str] = {}        # lookup key of a name or alias -> entry name
+        self._refused: dict[str, str] = {}     # lookup key -> why it is not modelled
 
     def register(self, entry: T, *aliases: str) -> T:
         name = entry.name  # type: ignore[attr-defined]
-        if name in self._entries or name in self._aliases:
+        if name in self._entries:
             raise ValueError(f"{self.kind} `{name}` is registered twice")
+        for n in (name, *aliases):
+            key = self._normalize(n)
+            if self._keys.get(key, name) != name:   # spellings of one entry may coincide
+                raise ValueError(f"{self.kind} `{n}` is registered twice")
+            self._keys[key] = name
         self._entries[name] = entry
-        for a in aliases:
-            self._aliases[a] = name
+        self._aliases.update({a: name for a in aliases})
         return entry
 
     def unregister(self, name: str) -> None:
@@ -38,12 +49,18 @@ class Registry(Generic[T]):
         self._entries.pop(name, None)
         for a in [a for a, n in self._aliases.items() if n == name]:
             del self._aliases[a]
+        for k in [k for k, n in self._keys.items() if n == name]:
+            del self._keys[k]
+
+    def refuse(self, name: str, why: str) -> None:
+        """A name users may give whose entry is deliberately missing, and why (``refusal``)."""
+        self._refused[self._normalize(name)] = why
+
+    def refusal(self, name: str) -> str | None:
+        return self._refused.get(self._normalize(str(getattr(name, "value", name))))
 
     def canonical(self, name: str) -> str | None:
-        key = str(getattr(name, "value", name))
-        if key in self._entries:
-            return key
-        return self._aliases.get(key)
+        return self._keys.get(self._normalize(str(getattr(name, "value", name))))
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self.canonical(name) is not None
@@ -52,6 +69,10 @@ class Registry(Generic[T]):
         key = self.canonical(name)
         if key is None:
             raw = str(getattr(name, "value", name))
+            why = self.refusal(raw)
+            if why is not None:
+                raise HfMemkitError(f"{self.kind} `{raw}` is not modelled: {why}; allowed: "
+                                    f"{', '.join(self.names())}{self.hint}")
             raise HfMemkitError(
                 f"unknown {self.kind} `{raw}`{did_you_mean(raw, self.names(aliases=True))}; "
                 f"allowed: {', '.join(self.names())}{self.hint}")

@@ -303,7 +303,7 @@ def test_train_dpo_recipe_runs_dpotrainer_with_a_reference_copy(tmp_path):
 
 
 def test_dpo_recipe_with_file_data_is_planned_but_not_trained(tmp_path, capsys):
-    from hf_memkit._run.trl import word_tokenizer
+    from hf_memkit._trainers.data import word_tokenizer
 
     word_tokenizer(32000).save_pretrained(tmp_path / "tok")
     (tmp_path / "pairs.jsonl").write_text(json.dumps({"text": "w5 w6 w7"}) + "\n")

@@ -27,20 +27,28 @@ TINY = LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2,
 EXTRA = 1 << 18  # fp32 elements the dummy technique keeps alive: 1 MiB
 
 
-def _keep_extra(model, options, *, stage, adapters):
-    """The dummy technique's trace hook: every forward leaves a 1 MiB tensor alive."""
-    def hook(module, args, output):
-        module._dummy_extra = torch.empty(EXTRA, dtype=torch.float32)
-    model.register_forward_hook(hook)
+class KeepExtra(Technique):
+    """A dummy technique: every forward leaves a 1 MiB tensor alive, 7 host bytes per token."""
+
+    name = "dummy_keep_extra"
+    fields = ("disable_tqdm",)
+    what = "keeps an extra 1 MiB tensor alive"
+
+    def read(self, explicit, get):
+        return {"on": True} if explicit.get("disable_tqdm") else None
+
+    def trace_hook(self, model, options, *, stage, adapters, target=None):
+        def hook(module, args, output):
+            module._dummy_extra = torch.empty(EXTRA, dtype=torch.float32)
+        model.register_forward_hook(hook)
+
+    def host_bytes(self, spec, setup, seq_len, options, compute_dtype):
+        return 7 * seq_len
 
 
 @pytest.fixture
 def dummy_technique():
-    t = register(Technique(
-        "dummy_keep_extra", fields=("disable_tqdm",),
-        read=lambda explicit, get: {"on": True} if explicit.get("disable_tqdm") else None,
-        what="keeps an extra 1 MiB tensor alive", trace_hook=_keep_extra,
-        host_bytes=lambda spec, setup, seq_len, options: 7 * seq_len))
+    t = register(KeepExtra())
     yield t
     TECHNIQUES.unregister(t.name)
 
@@ -135,10 +143,10 @@ def test_methods_form_the_ladder():
 def test_tasks_registry_builds_heads_and_labels():
     assert TASKS.get("seq-cls").name == "sequence-classification"
     assert "causal-lm" in task_choices() and "qa" in task_choices()
-    labels = TASKS.get("question-answering").labels(3, 16, 16)
+    labels = TASKS.get("question-answering").labels_for(None, 3, 16, 16)
     assert set(labels) == {"start_positions", "end_positions"}
     assert labels["start_positions"].shape == (3,)
-    assert TASKS.get("seq2seq-lm").labels(2, 16, 8)["labels"].shape == (2, 8)
+    assert TASKS.get("seq2seq-lm").labels_for(None, 2, 16, 8)["labels"].shape == (2, 8)
 
 
 def test_cli_choices_read_the_registries():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from .._registry import Registry
 from .._units import MiB
 
 
@@ -50,10 +51,6 @@ class GpuSpec:
         return self.compute_capability >= (7, 0)
 
 
-_CATALOG: dict[str, GpuSpec] = {}
-_ALIASES: dict[str, str] = {}
-
-
 def normalize_gpu_name(name: str) -> str:
     """Case- and punctuation-insensitive key; drops vendor words NVML puts in front."""
     key = name.lower()
@@ -61,23 +58,19 @@ def normalize_gpu_name(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", key)
 
 
+GPUS: Registry[GpuSpec] = Registry("GPU", " (hf-memkit devices)", normalize=normalize_gpu_name)
+
+
 def register(spec: GpuSpec) -> GpuSpec:
-    for alias in (spec.name, *spec.aliases):
-        key = normalize_gpu_name(alias)
-        if key in _ALIASES and _ALIASES[key] != spec.name:
-            raise RuntimeError(f"GPU alias {alias!r} registered twice")
-        _ALIASES[key] = spec.name
-    _CATALOG[spec.name] = spec
-    return spec
+    return GPUS.register(spec, *spec.aliases)
 
 
 def lookup(name: str) -> GpuSpec | None:
-    canonical = _ALIASES.get(normalize_gpu_name(name))
-    return _CATALOG[canonical] if canonical else None
+    return GPUS.get(name) if name in GPUS else None
 
 
 def catalog() -> dict[str, GpuSpec]:
-    return dict(_CATALOG)
+    return {spec.name: spec for spec in GPUS}
 
 
 GB_S = 1e9

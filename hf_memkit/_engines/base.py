@@ -97,6 +97,7 @@ class Rung:
     offload_optimizer: bool = False
     shards_params: bool = False           # frozen weights shard too (a LoRA base)
     precisions: tuple[str, ...] | None = None  # None: any precision
+    replica: bool = False                 # every rank holds a full replica (DDP)
 
     @property
     def offload(self) -> bool:
@@ -128,8 +129,12 @@ class Engine:
     name = "none"
     user_facing = True      # a value of plan_training(engine=...) and the CLI's --engine
     sharded = False         # shards model states (needs the model's layer structure)
+    replicates = False      # a full replica per rank: the planner's first multi-GPU rung
+    default_sharding = False  # the sharding engine of plan_training(engine="auto")
     owns_checkpointing = False  # checkpointing goes in the engine's config, not the Trainer's
     launch_flag = ""        # `accelerate launch` flag
+    config_file: str | None = None  # the config file `launch_commands` names (DeepSpeed's)
+    fields: tuple[str, ...] = ()    # the TrainingArguments fields it reads (field coverage)
 
     def selected(self, get) -> bool:
         """Whether TrainingArguments (``get(field)``) ask for this engine."""
@@ -143,6 +148,14 @@ class Engine:
 
     def rungs(self) -> list[Rung]:
         return []
+
+    def notes(self, sh: Sharding, device_kind: str) -> list[str]:
+        """What an estimate of one rank says about the engine on a ``device_kind`` target."""
+        return [f"per rank of {sh.label()}"]
+
+    def launch_flags(self, config_file: str | None) -> str:
+        """The engine's ``accelerate launch`` flags."""
+        return self.launch_flag
 
     def rank_states(self, sh: Sharding, sizes: StateSizes, facts: Any,
                     device_kind: str) -> RankStates:

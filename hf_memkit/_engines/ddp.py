@@ -9,11 +9,12 @@ from typing import Any
 
 from .base import EmitContext, Engine, RankStates, Rung, Sharding, StateSizes, register
 
-RUNG = Rung("ddp", "DDP", "ddp")
+RUNG = Rung("ddp", "DDP", "ddp", replica=True)
 
 
 class DDP(Engine):
     name = "ddp"
+    replicates = True
     launch_flag = "--multi_gpu"
 
     def from_args(self, get, world: int) -> Sharding:

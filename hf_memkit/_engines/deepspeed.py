@@ -45,6 +45,8 @@ class DeepSpeed(Engine):
     name = "deepspeed"
     sharded = True
     launch_flag = "--use_deepspeed"
+    config_file = "ds_config.json"
+    fields = ("deepspeed",)
 
     def selected(self, get) -> bool:
         return bool(get("deepspeed"))
@@ -68,6 +70,10 @@ class DeepSpeed(Engine):
 
     def rungs(self) -> list[Rung]:
         return list(RUNGS)
+
+    def launch_flags(self, config_file: str | None) -> str:
+        return self.launch_flag + (f" --deepspeed_config_file {config_file}" if config_file
+                                   else "")
 
     def rank_states(self, sh: Sharding, sizes: StateSizes, facts: Any,
                     device_kind: str) -> RankStates:

@@ -105,8 +105,10 @@ def _reshard(fsdp: Any, cfg: dict[str, Any]) -> tuple[bool, bool]:
 class FSDP(Engine):
     name = "fsdp"
     sharded = True
+    default_sharding = True
     owns_checkpointing = True   # fsdp_config's activation_checkpointing, as transformers asks
     launch_flag = "--use_fsdp"
+    fields = ("fsdp", "fsdp_config", "accelerator_config")
 
     def selected(self, get) -> bool:
         return bool(get("fsdp"))
@@ -128,6 +130,15 @@ class FSDP(Engine):
 
     def rungs(self) -> list[Rung]:
         return list(RUNGS)
+
+    def notes(self, sh: Sharding, device_kind: str) -> list[str]:
+        out = super().notes(sh, device_kind)
+        if device_kind != "cuda":
+            out.append("FSDP through the Trainer needs CUDA: on a CPU, accelerate drops the FSDP "
+                       "plugin and the Trainer silently trains DDP replicas; this estimate is "
+                       "for FSDP2 applied directly (fully_shard / accelerate's "
+                       "fsdp2_prepare_model)")
+        return out
 
     def rank_states(self, sh: Sharding, sizes: StateSizes, facts: Any,
                     device_kind: str) -> RankStates:

@@ -17,11 +17,10 @@ def launch_commands(*, script: str, num_gpus: int, num_nodes: int, engine: str,
     per_node = num_gpus // max(1, num_nodes)
     acc = ["accelerate launch"]
     e = ENGINES.get(engine) if engine in ENGINES else None
-    if e is not None and e.sharded:   # the engine's flag (and DeepSpeed's config file)
-        acc.append(e.launch_flag + (f" --deepspeed_config_file {config_file}"
-                                    if config_file else ""))
+    if e is not None and e.sharded:   # the engine's flags (and DeepSpeed's config file)
+        acc.append(e.launch_flags(config_file))
     elif num_gpus > 1:                # replicas
-        acc.append(ENGINES.get("ddp").launch_flag)
+        acc.append(next(r for r in ENGINES if r.replicates).launch_flag)
     acc.append(f"--num_processes {num_gpus}")
     if num_nodes > 1:
         acc.append(f"--num_machines {num_nodes} --machine_rank $NODE_RANK "

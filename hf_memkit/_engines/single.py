@@ -17,6 +17,9 @@ class Single(Engine):
     def label(self, sh: Sharding) -> str:
         return "single device"
 
+    def notes(self, sh: Sharding, device_kind: str) -> list[str]:
+        return []
+
     def rank_states(self, sh: Sharding, sizes: StateSizes, facts: Any,
                     device_kind: str) -> RankStates:
         return RankStates(sizes.weight_bytes, sizes.grad_bytes, sizes.optimizer_state,

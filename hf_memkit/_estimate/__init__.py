@@ -20,7 +20,6 @@ from .._engines import Sharding
 from .._errors import ConfigError, HfMemkitError
 from .._model.spec import resolve_model
 from .._setup.setup import normalize_args
-from .._trainers import TRAINERS
 from .._trainers.packing import with_lengths
 from .._units import parse_bytes
 from .activations import TraceCache
@@ -114,9 +113,9 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,
                            ref_model=ref_model)
     setup, seq_len = with_lengths(setup, lengths, seq_len)
     if seq_len is None:
-        seq_len = TRAINERS.get(setup.trainer.name).seq_len(dict(setup.trainer.options))
+        seq_len = setup.trainer_kind.seq_len(setup.trainer_options)
         if seq_len is None:
-            raise ConfigError([f"seq_len is required: {TRAINERS.get(setup.trainer.name).title}'s "
+            raise ConfigError([f"seq_len is required: {setup.trainer_kind.title}'s "
                                "arguments carry no max_length; pass seq_len=<the longest "
                                "sequence of a batch>"], source="estimate_memory")
     problems = _problems(seq_len, stage, target_len)

@@ -8,7 +8,7 @@ extrapolated linearly in the block count, so a 70B plan takes seconds. Each phas
 
 from __future__ import annotations
 
-import inspect
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +20,6 @@ from .._model.spec import ModelSpec
 from .._setup.setup import TrainingSetup
 from .._techniques import TECHNIQUES
 from .._trace.step import trace_step
-from .._trainers import TRAINERS
 
 FULL_TRACE_MAX_LAYERS = 4
 EXTRAPOLATE_AT = (2, 3)
@@ -47,17 +46,14 @@ class Excess:
 
 
 def technique_hooks(setup: TrainingSetup) -> list[Any]:
-    """The trace hooks of the setup's techniques, bound to their options. The CUDA target (None
-    for a CPU) goes only to hooks that take a ``target`` keyword."""
-    hooks = []
-    for use in sorted(setup.techniques):
-        t = TECHNIQUES.get(use.name)
-        if t.trace_hook is not None:
-            params = inspect.signature(t.trace_hook).parameters
-            wants = "target" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-            hooks.append(lambda m, _t=t, _o=dict(use.options), _w=wants, target=None, **kw:
-                         _t.trace_hook(m, _o, **kw, **({"target": target} if _w else {})))
-    return hooks
+    """The trace hooks of the setup's techniques (``Technique.trace_hook``), bound to their
+    options, in the order of their names."""
+    return [functools.partial(_apply_hook, TECHNIQUES.get(use.name), dict(use.options))
+            for use in sorted(setup.techniques)]
+
+
+def _apply_hook(t: Any, options: dict[str, Any], model: Any, **kw: Any) -> None:
+    t.trace_hook(model, options, **kw)
 
 
 def _lin(x1: float, x2: float, scale: float) -> int:
@@ -76,14 +72,14 @@ def trace_excess(spec: ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: 
     # step's micro-batches, whose bytes are scaled up below (as TraceCache does)
     traced = min(accum, 2)
     # the micro-batch the trainer's collator builds, and the trainer's own loss (_trainers)
-    kind, options = TRAINERS.get(setup.trainer.name), dict(setup.trainer.options)
+    kind, options = setup.trainer_kind, setup.trainer_options
     shape = kind.shape(options, batch, seq_len)
     kw = dict(task=spec.task, micro_batch=shape.rows, seq_len=shape.tokens, grad_accum=traced,
               amp=setup.amp, dtype=spec.dtype, attn_implementation=spec.attn_implementation,
               lora=spec.lora, stage="eval" if stage == "eval" else "train",
               target_len=target_len, padded=padded or shape.padded,
               hooks=technique_hooks(setup), forward_only=forward_only, target=target,
-              trainer=kind.step(options) if kind.step else None,
+              trainer=kind.step(options),
               reference=kind.reference(options, spec.lora is not None), packed=shape.packed)
 
     def excess(n: int):

@@ -31,7 +31,6 @@ from .._model.tasks import TASKS
 from .._optimizers import OptimizerContext, OptimizerMemory, get_optimizer_profile
 from .._setup.setup import TrainingSetup
 from .._techniques import TECHNIQUES
-from .._trainers import TRAINERS
 from .._units import format_bytes
 from .activations import Excess, TraceCache, trace_excess
 from .device import device_terms
@@ -85,15 +84,9 @@ def states_for(spec: ModelSpec, setup: TrainingSetup,
 
 def _state_notes(setup: TrainingSetup, rs: RankStates, om: OptimizerMemory,
                  dev: DeviceInfo) -> list[str]:
-    sh = setup.sharding
     notes = list(setup.notes)
-    if sh.engine != "none":
-        notes.append(f"per rank of {sh.label()}")
-        notes.extend(rs.notes)
-    if sh.engine == "fsdp" and dev.kind != "cuda":
-        notes.append("FSDP through the Trainer needs CUDA: on a CPU, accelerate drops the FSDP "
-                     "plugin and the Trainer silently trains DDP replicas; this estimate is for "
-                     "FSDP2 applied directly (fully_shard / accelerate's fsdp2_prepare_model)")
+    notes.extend(setup.engine.notes(setup.sharding, dev.kind))
+    notes.extend(rs.notes)
     if rs.host:
         notes.append(f"{format_bytes(rs.host)} per rank offloaded to host (CPU) memory")
     if om.paged:
@@ -110,7 +103,7 @@ def technique_host_bytes(spec: ModelSpec, setup: TrainingSetup, seq_len: int, *,
     compute_dtype = trace_variant(spec, setup)[0].dtype  # the dtype each rank computes in
     for use in setup.techniques if stage != "eval" else ():
         t = TECHNIQUES.get(use.name)
-        if t.host_bytes is not None and t.acts_on(device_kind):
+        if t.acts_on(device_kind):
             total += int(t.host_bytes(spec, setup, seq_len, dict(use.options), compute_dtype))
     return total
 
@@ -119,7 +112,7 @@ def trace_variant(spec: ModelSpec, setup: TrainingSetup) -> tuple[ModelSpec, Tra
     """What each rank computes with: engines that gather or keep 16-bit parameters under mixed
     precision (``Engine.traces_half``) run a 16-bit model without autocast copies."""
     if (not setup.amp or spec.dtype != torch.float32 or spec.quant_bits
-            or not ENGINES.get(setup.sharding.engine).traces_half(setup.sharding)):
+            or not setup.engine.traces_half(setup.sharding)):
         return spec, setup
     half = torch.bfloat16 if setup.amp == "bf16" else torch.float16
     return spec.in_dtype(half), setup.replace(amp=None)
@@ -160,7 +153,7 @@ def _step(spec: ModelSpec, trace_spec: ModelSpec, setup: TrainingSetup, ex: Exce
     # its shard, in the dtype of its sharded parameters (G per full set, offloaded: none)
     traced_total = sum(p.numel for p in trainable) * trace_spec.dtype.itemsize \
         if trace_spec is not spec else sum(p.nbytes for p in trainable)
-    sharded = ENGINES.get(setup.sharding.engine).grads_sharded(setup.sharding)
+    sharded = setup.engine.grads_sharded(setup.sharding)
     grad_factor = rs.gradients / traced_total if sharded and traced_total else 1.0
     if sharded:
         for key in ("backward", "backward_accum"):
@@ -185,8 +178,8 @@ def reference_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
     """The weights of the trainer's separate reference model (DPO without PEFT): a frozen copy
     of the policy as loaded (its base, without adapters, when the user passes one to a PEFT
     policy), whole on every rank."""
-    kind = TRAINERS.get(setup.trainer.name)
-    if kind.reference(dict(setup.trainer.options), spec.lora is not None) != "copy":
+    kind = setup.trainer_kind
+    if kind.reference(setup.trainer_options, spec.lora is not None) != "copy":
         return 0
     weights, trainable = spec.states()
     return weights - (sum(p.nbytes for p in trainable) if spec.lora is not None else 0)
@@ -278,9 +271,7 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
     allocated, reserved, used, rel = terms.allocated, terms.reserved, terms.used, terms.rel_sigma
     notes += terms.notes + _kernel_note(ex, target)
     if ex.host:
-        notes.append(f"TRL's activation offloading keeps {format_bytes(ex.host)} of saved "
-                     "activations in pinned host memory at once (the device keeps the last "
-                     "few it copied, and in the backward the ones two autograd nodes use)")
+        notes.append(setup.trainer_kind.host_note(ex.host))
     if om.paged:
         parts["optimizer_paged"] = om.paged
     return MemoryEstimate(

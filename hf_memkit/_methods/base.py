@@ -101,7 +101,7 @@ class Lora(Method):
 
     def allows_rung(self, rung: Any) -> bool:
         # a frozen 16-bit base shards like any other weights (not offloaded: nothing to gain)
-        return rung.engine == "ddp" or (rung.shards_params and not rung.offload)
+        return rung.replica or (rung.shards_params and not rung.offload)
 
     def train_flops(self, n_params: int, n_trainable: int) -> float:
         return 4 * n_params + 6 * n_trainable
@@ -136,7 +136,7 @@ class KbitLora(Lora):
     needs = ("peft", "bitsandbytes")
 
     def allows_rung(self, rung: Any) -> bool:
-        return rung.engine == "ddp"
+        return rung.replica
 
     def load_dtype(self, precision: str, dev: Any) -> torch.dtype | None:
         return None

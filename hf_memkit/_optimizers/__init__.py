@@ -18,6 +18,7 @@ from . import (  # noqa: F401  (each module registers its optimizers)
     torchao,
 )
 from .base import (
+    OPTIMIZERS,
     TARGET_MODULES_ARG,
     OptimizerContext,
     OptimizerMemory,
@@ -30,6 +31,6 @@ from .base import (
     trainer_groups,
 )
 
-__all__ = ["TARGET_MODULES_ARG", "OptimizerContext", "OptimizerMemory", "OptimizerProfile", "ParamInfo",
+__all__ = ["OPTIMIZERS", "TARGET_MODULES_ARG", "OptimizerContext", "OptimizerMemory", "OptimizerProfile", "ParamInfo",
            "get_optimizer_profile", "planner_optimizers", "register", "supported_optimizers",
            "trainer_groups"]

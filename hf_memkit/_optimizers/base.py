@@ -27,6 +27,7 @@ from typing import Any
 
 from .._compat import is_bitsandbytes_available
 from .._errors import HfMemkitError, did_you_mean
+from .._registry import Registry
 
 
 @dataclass(frozen=True)
@@ -99,37 +100,38 @@ class OptimizerProfile:
         return {"class": self.accelerate_class or self.name, "kwargs": dict(self.accelerate_kwargs)}
 
 
-_REGISTRY: dict[str, OptimizerProfile] = {}
-_REFUSED: dict[str, str] = {}  # optim value -> why its memory is not modelled
+OPTIMIZERS: Registry[OptimizerProfile] = Registry("optimizer")
 
 
 def refuse(name: str, why: str) -> None:
     """An ``optim`` value the Trainer accepts whose memory hf_memkit does not model, and why."""
-    _REFUSED[name] = why
+    OPTIMIZERS.refuse(name, why)
 
 
-def register(profile: OptimizerProfile, *aliases: str) -> None:
-    for name in (profile.name, *aliases):
-        _REGISTRY[name] = profile
+def register(profile: OptimizerProfile, *aliases: str) -> OptimizerProfile:
+    return OPTIMIZERS.register(profile, *aliases)
 
 
 def supported_optimizers() -> list[str]:
-    return sorted(_REGISTRY)
+    """Every ``optim`` value modelled (aliases included), sorted."""
+    return sorted(OPTIMIZERS.names(aliases=True))
 
 
 def get_optimizer_profile(name: str) -> OptimizerProfile:
     key = str(getattr(name, "value", name))
-    if key in _REFUSED:
+    why = OPTIMIZERS.refusal(key)
+    if why is not None:
         raise HfMemkitError(
-            f"cannot model the memory of optimizer `{key}`: {_REFUSED[key]}; modelled: "
+            f"cannot model the memory of optimizer `{key}`: {why}; modelled: "
             f"{', '.join(supported_optimizers())}. Pick one of these for `optim`")
-    if key not in _REGISTRY:
+    if key not in OPTIMIZERS:
         raise HfMemkitError(
-            f"cannot model the memory of optimizer `{key}`{did_you_mean(key, _REGISTRY)}; "
-            f"modelled: {', '.join(supported_optimizers())}. Pick one of these for `optim`, or "
+            f"cannot model the memory of optimizer `{key}`"
+            f"{did_you_mean(key, supported_optimizers())}; modelled: "
+            f"{', '.join(supported_optimizers())}. Pick one of these for `optim`, or "
             "open an issue with the optimizer's state layout"
         )
-    return _REGISTRY[key]
+    return OPTIMIZERS.get(key)
 
 
 def _planned(p: OptimizerProfile, device_kind: str) -> bool:
@@ -139,9 +141,9 @@ def _planned(p: OptimizerProfile, device_kind: str) -> bool:
 def planner_optimizers(device_kind: str) -> list[str]:
     """The optimizers the planner searches on ``device_kind``, cheapest step first. A stand-in
     (``stands_in_for``) is searched only where the optimizer it replaces is not."""
-    found = [p for name, p in _REGISTRY.items() if name == p.name and _planned(p, device_kind)
-             and not (p.stands_in_for in _REGISTRY
-                      and _planned(_REGISTRY[p.stands_in_for], device_kind))]
+    found = [p for p in OPTIMIZERS if _planned(p, device_kind)
+             and not (p.stands_in_for in OPTIMIZERS
+                      and _planned(OPTIMIZERS.get(p.stands_in_for), device_kind))]
     return [p.name for p in sorted(found, key=lambda p: p.step_cost)]
 
 

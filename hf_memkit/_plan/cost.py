@@ -68,8 +68,7 @@ def _compute(c: Candidate, s: Shape, n_trainable: int, dev: DeviceInfo) -> float
     method = METHODS.get(c.method)
     flops = method.train_flops(s.n_params, n_trainable) + attn_flops
     for name in c.techniques:
-        extra = TECHNIQUES.get(name).extra_flops
-        flops += extra(s.n_params, attn_flops) if extra else 0.0
+        flops += TECHNIQUES.get(name).extra_flops(s.n_params, attn_flops)
     flops *= method.slowdown
     tokens = c.micro_batch * s.seq_len
     eff = tokens / (tokens + TOKENS_HALF_EFF)
@@ -116,6 +115,5 @@ def _transfers(c: Candidate, s: Shape, dev: DeviceInfo) -> float:
     itemsize = 4 if c.precision == "fp32" else 2
     out = 0.0
     for name in c.techniques:
-        extra = TECHNIQUES.get(name).extra_seconds
-        out += extra(shape=s, dev=dev, itemsize=itemsize) if extra else 0.0
+        out += TECHNIQUES.get(name).extra_seconds(shape=s, dev=dev, itemsize=itemsize)
     return out

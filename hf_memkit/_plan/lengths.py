@@ -26,6 +26,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from .._trainers import TRAINERS
 from .request import Problem
 
 
@@ -66,10 +67,11 @@ def length_problems(lengths: Any, mean_len: Any, max_len: Any, trainer: str | No
                             ("max_len", max_len)) if v is not None]
     if not given:
         return out
-    if trainer != "sft":
-        return [Problem(given[0], f"{given[0]} plans padding-free SFTTrainer batches; pass "
-                                  "trainer='sft' (--trainer sft on the command line), or "
-                                  "seq_len=<the longest row> for padded batches")]
+    if not (trainer in TRAINERS and TRAINERS.get(trainer).lengths_plan):
+        k = next(k for k in TRAINERS if k.lengths_plan)
+        return [Problem(given[0], f"{given[0]} plans padding-free {k.title} batches; pass "
+                                  f"trainer='{k.name}' (--trainer {k.name} on the command "
+                                  "line), or seq_len=<the longest row> for padded batches")]
     if lengths is not None:
         bad = [v for v in list(lengths) if isinstance(v, bool) or not isinstance(v, int) or v < 1]
         if mean_len is not None or max_len is not None:

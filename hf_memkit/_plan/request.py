@@ -20,8 +20,8 @@ from .._engines import engine_choices
 from .._errors import ConfigError, did_you_mean
 from .._estimate.budget import headroom_problem, memory_budget
 from .._methods import METHODS, method_choices
-from .._setup.fields import config_fields, training_args_fields
-from .._trainers import TRAINERS
+from .._setup.fields import config_fields
+from .._trainers import TRAINER, TRAINERS
 from .._units import parse_bytes
 
 # GPUs one node of the catalog cards holds (HGX/DGX boards); more need num_nodes.
@@ -101,9 +101,8 @@ class PlanRequest:
     def pins(self) -> dict[str, Any]:
         """The constraints that are fields of the trainer's config; a TRL trainer's
         ``max_length`` is the planned ``seq_len`` unless pinned (it truncates the rows)."""
-        kind = TRAINERS.get(self.trainer or "trainer")
-        fields = training_args_fields() if kind.name == "trainer" else \
-            config_fields(kind.config_type())
+        kind = TRAINERS.get(self.trainer or TRAINER.name)
+        fields = config_fields(kind.config_type())
         out = {k: v for k, v in self.constraints.items() if k in fields}
         if "max_length" in fields and "max_length" not in out and self.seq_len:
             out["max_length"] = self.seq_len

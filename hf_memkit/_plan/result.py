@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from .._device.probe import DeviceInfo
-from .._engines import ENGINES, launch_commands
+from .._engines import ENGINES, Engine, launch_commands
+from .._engines.single import SINGLE
 from .._errors import HfMemkitError
 from .._estimate import MemoryEstimate
 from .._methods import METHODS
@@ -69,10 +70,10 @@ class Plan:
         """``TrainingArguments`` of the plan (build it on the target machine); a plan for a TRL
         trainer builds its config (``SFTConfig``, ``DPOConfig``). An override that changes
         memory is re-estimated; if the result no longer fits, a warning shows it."""
-        from .._trainers import TRAINERS
+        from .._trainers import TRAINER
 
         est = self.chosen.estimate if self.chosen is not None else None
-        kind = TRAINERS.get(est.setup.trainer.name if est is not None else "trainer")
+        kind = est.setup.trainer_kind if est is not None else TRAINER
         TrainingArguments = kind.config_type()  # noqa: N806 - the class the user would name
         kwargs = dict(self.training_args_kwargs)
         kwargs.setdefault("output_dir", overrides.pop("output_dir", "hf_memkit_output"))
@@ -158,24 +159,25 @@ class Plan:
         """Apply the plan to a loaded model: attention kernel, the method (k-bit preparation,
         LoRA) and the searched techniques (checkpointing: non-reentrant, safe with PEFT)."""
         self.set_attention(model)
-        engine = ENGINES.get(self.parallel.get("engine", "none"))
+        engine = self._engine()
         # an engine that owns checkpointing (FSDP: fsdp_config) applies it when it wraps
         owned = {CHECKPOINTING} if engine.owns_checkpointing else set()
         ckpt = self.chosen.checkpointing and CHECKPOINTING not in owned
         model = METHODS.get(self.chosen.method).prepare(model, self.peft_config, ckpt)
         for name in self.chosen.techniques:
-            t = TECHNIQUES.get(name)
-            if t.prepare is not None and name not in owned:
-                model = t.prepare(model)
+            if name not in owned:
+                model = TECHNIQUES.get(name).prepare(model)
         return model
 
     def launch_commands(self, script: str = "train.py") -> dict[str, str]:
         """``accelerate launch`` and ``torchrun`` command lines for this plan's GPUs and nodes.
         (With DeepSpeed, write the config first: ``write_deepspeed_config``.)"""
-        engine = self.parallel.get("engine", "none")
+        engine = self._engine()
         return launch_commands(script=script, num_gpus=self.num_gpus, num_nodes=self.num_nodes,
-                               engine=engine, config_file="ds_config.json"
-                               if engine == "deepspeed" else None)
+                               engine=engine.name, config_file=engine.config_file)
+
+    def _engine(self) -> Engine:
+        return ENGINES.get(self.parallel.get("engine", SINGLE.name))
 
     def write_deepspeed_config(self, path: str | os.PathLike = "ds_config.json") -> str:
         """Write the plan's DeepSpeed config as JSON (pass it as ``deepspeed=path`` too)."""

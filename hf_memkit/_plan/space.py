@@ -152,7 +152,7 @@ def technique_choices(req: PlanRequest, model_cls: type,
         why_not = _why_not(t, req, model_cls)
         if why_not and t.acts_on(req.dev.kind):
             notes.append(why_not)
-        on = t.pin(req.pins)
+        on = t.pinned(req.pins)
         if on is not None:
             if on and why_not:
                 raise HfMemkitError(f"{why_not}; drop the {t.fields[0]} pin")

@@ -25,6 +25,7 @@ import torch
 from .._compat import no_progress_bars
 from .._errors import ConfigError, HfMemkitError, TrainingFailed  # noqa: F401  (re-exported)
 from .._recipe import Recipe
+from .._trainers import TRAINERS
 from .data import build_dataset, load_tokenizer
 from .stop import (  # noqa: F401  (TrainingInterrupted: re-exported)
     TrainingInterrupted,
@@ -111,6 +112,17 @@ def check_trainable_here(recipe: Recipe, *, device: str | None = None) -> None:
         problems.append(
             f"{where}: model.task: `hf-memkit train` trains {', '.join(trainable)}; this "
             f"model's task is {task} (set model.task, or plan it with `hf-memkit plan`)")
+    if problems:
+        raise ConfigError(problems, source=where)
+
+
+def check_trainer_runs(recipe: Recipe, task: str | None = None) -> None:
+    """``ConfigError`` naming the file and key when ``hf-memkit train`` cannot run the recipe's
+    trainer (``TrainerKind.run_problems``: TRL's need a causal LM and no ``oom_guard``; DPO's
+    preference pairs are made for synthetic data only)."""
+    where = recipe.source or "recipe"
+    problems = TRAINERS.get(recipe.trainer).run_problems(
+        where=where, synthetic=recipe.is_synthetic, task=task, callbacks=tuple(recipe.callbacks))
     if problems:
         raise ConfigError(problems, source=where)
 
@@ -225,7 +237,6 @@ def train_recipe(recipe: Recipe, *, plan: Any = None, output_dir: str | None = N
     from .._callbacks import MemoryCallback, ThroughputCallback
     from .._device.rss import set_mmap_threshold
     from .._model import normalize_task
-    from .trl import check_trl_trainable, make_trainer
 
     set_mmap_threshold()  # before the model's tensors exist: CPU readings track tensor bytes
     where = recipe.source or "recipe"
@@ -238,7 +249,7 @@ def train_recipe(recipe: Recipe, *, plan: Any = None, output_dir: str | None = N
         plan = plan_recipe(recipe)
     config = recipe.model_config()
     task = normalize_task(recipe.task, config)
-    check_trl_trainable(recipe, task)   # trainer: sft / dpo (_train_trl)
+    check_trainer_runs(recipe, task)
     out = output_dir or recipe.output_dir or os.path.join("outputs", recipe.name)
     steps = recipe.pins.get("max_steps", -1)
     n = recipe.num_samples or (steps * recipe.target_batch_size if steps and steps > 0 else 256)
@@ -264,8 +275,9 @@ def train_recipe(recipe: Recipe, *, plan: Any = None, output_dir: str | None = N
     memory = MemoryCallback(plan) if "memory" in recipe.callbacks else None
     callbacks = [cb for cb in (memory, ThroughputCallback(plan.device)
                                if "throughput" in recipe.callbacks else None) if cb is not None]
-    trainer = make_trainer(recipe, model=model, args=args, train_dataset=data,
-                           data_collator=collator, processing_class=tokenizer, callbacks=callbacks)
+    trainer = TRAINERS.get(recipe.trainer).build(
+        model=model, args=args, rows=data, data_collator=collator, processing_class=tokenizer,
+        callbacks=callbacks, oom_guard="oom_guard" in recipe.callbacks)
     trainer.remove_callback(PrinterCallback)   # the summary and the progress bar replace them
     trainer.remove_callback(ProgressCallback)
     if progress_console is not None:

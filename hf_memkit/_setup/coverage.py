@@ -4,7 +4,7 @@ three classes (DESIGN.md: memory-relevant settings are modelled or named in a wa
   * **modelled**: read into the ``TrainingSetup``. Derived from the registries: the fields of the
     modelled techniques (``Technique.fields``), of the trainer (``TrainerKind.modelled_fields``),
     plus the fields ``_setup.normalize_args`` and the engines read themselves (``SETUP_FIELDS``,
-    ``ENGINE_FIELDS``: those two read through ``get`` and declare no list of their own);
+    ``ENGINE_FIELDS``, from each engine's ``Engine.fields``);
   * **unmodelled**: changes a training step's device memory, but the estimate does not follow it.
     ``UNMODELLED`` here (set to a non-default value, ``normalize_args`` warns naming it), plus
     the techniques registered with ``modelled=False`` and what a trainer's ``unmodelled`` names
@@ -25,16 +25,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._engines import ENGINES
 from .._techniques import TECHNIQUES
-from .._trainers import TRAINERS
+from .._trainers import TRAINER, TRAINERS
 
 # Read by _setup.normalize_args itself (batch sizes, precision, optimizer, clipping, eval).
 SETUP_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps",
                 "per_device_eval_batch_size", "bf16", "fp16", "tf32", "optim", "optim_args",
                 "optim_target_modules", "max_grad_norm", "eval_accumulation_steps",
                 "prediction_loss_only")
-# Read by the engines (_engines: fsdp.py, deepspeed.py, base.sync_each_batch).
-ENGINE_FIELDS = ("fsdp", "fsdp_config", "deepspeed", "accelerator_config")
+# Read by the engines (``Engine.fields``).
+ENGINE_FIELDS = tuple(dict.fromkeys(f for e in ENGINES for f in e.fields))
 
 CLASSES = ("modelled", "unmodelled", "irrelevant")
 
@@ -73,10 +74,10 @@ UNMODELLED: dict[str, Unmodelled] = {
                                           "memory between steps"),
     "label_smoothing_factor": Unmodelled("the Trainer's LabelSmoother takes log_softmax of the "
                                          "logits outside the model (fp32 [tokens x vocab] "
-                                         "temporaries)", trainers=("trainer",),
+                                         "temporaries)", trainers=(TRAINER.name,),
                                          otherwise="TRL's trainers compute their own loss"),
     "use_cache": Unmodelled("the model returns its key/value cache, which stays alive until the "
-                            "step ends", trainers=("trainer",),
+                            "step ends", trainers=(TRAINER.name,),
                             otherwise="TRL's trainers pass use_cache=False to every forward"),
     "bf16_full_eval": Unmodelled("evaluation casts the model to bf16 (eval weights and "
                                  "activations halve)"),
@@ -173,7 +174,7 @@ def _config_fields(trainer: str) -> list[str]:
     return [f.name for f in dataclasses.fields(TRAINERS.get(trainer).config_type())]
 
 
-def field_classes(trainer: str = "trainer") -> dict[str, frozenset[str]]:
+def field_classes(trainer: str = TRAINER.name) -> dict[str, frozenset[str]]:
     """``CLASSES`` -> the fields of ``trainer``'s installed config class in that class (a field in
     none of them, or in two, is a gap the coverage test reports)."""
     kind = TRAINERS.get(trainer)

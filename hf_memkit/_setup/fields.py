@@ -67,9 +67,9 @@ def config_class(trainer: str | None) -> type:
     """The installed config class of a registered trainer (``None``: ``TrainingArguments``);
     ``HfMemkitError`` for a name that is not registered (TRL's GRPO etc. refused by name) or
     a TRL that is not installed (with the ``pip install`` that fixes it)."""
-    from .._trainers import TRAINERS, trainer_of_args
+    from .._trainers import TRAINER, TRAINERS, trainer_of_args
 
-    return TRAINERS.get(trainer_of_args(None, trainer or "trainer")).config_type()
+    return TRAINERS.get(trainer_of_args(None, trainer or TRAINER.name)).config_type()
 
 
 # -- types --------------------------------------------------------------------------------------

@@ -17,13 +17,13 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from .._engines import Sharding, sharding_from_args
+from .._engines import ENGINES, Engine, Sharding, sharding_from_args
 from .._errors import ConfigError, HfMemkitError, did_you_mean
 from .._optimizers import TARGET_MODULES_ARG, get_optimizer_profile
 from .._techniques import TechniqueUse, read_techniques, unmodelled
 from .._techniques.base import frozen
 from .._techniques.checkpointing import NAME as CHECKPOINTING
-from .._trainers import TRAINERS, trainer_of_args
+from .._trainers import TRAINER, TRAINERS, TrainerKind, trainer_of_args
 from .coverage import unmodelled_settings
 from .fields import check_field, config_fields, training_args_fields
 
@@ -32,7 +32,7 @@ from .fields import check_field, config_fields, training_args_fields
 TRACE_INDEPENDENT = frozenset({
     "micro_batch", "eval_batch", "grad_accum", "optim", "optim_args", "max_grad_norm", "tf32",
     "eval_accumulation_steps", "prediction_loss_only", "sharding", "unmodelled", "notes"})
-PLAIN = TechniqueUse("trainer")
+PLAIN = TechniqueUse(TRAINER.name)
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,20 @@ class TrainingSetup:
         return next((u for u in self.techniques if u.name == name), None)
 
     @property
+    def engine(self) -> Engine:
+        """The registered engine of ``sharding`` (``_engines``)."""
+        return ENGINES.get(self.sharding.engine)
+
+    @property
+    def trainer_kind(self) -> TrainerKind:
+        """The registered trainer (``_trainers``); its options are ``trainer_options``."""
+        return TRAINERS.get(self.trainer.name)
+
+    @property
+    def trainer_options(self) -> dict[str, Any]:
+        return dict(self.trainer.options)
+
+    @property
     def checkpointing(self) -> bool:
         return self.uses(CHECKPOINTING) is not None
 
@@ -92,7 +106,7 @@ class TrainingSetup:
                                     for n, o in (d.get("techniques") or {}).items())
         d["unmodelled"] = tuple(d.get("unmodelled", ()))
         d["notes"] = tuple(d.get("notes", ()))
-        t = d.get("trainer") or {"name": "trainer"}
+        t = d.get("trainer") or {"name": TRAINER.name}
         d["trainer"] = TechniqueUse.of(t["name"], t.get("options"))
         return cls(**d)
 
@@ -186,8 +200,9 @@ def normalize_args(args: TrainingArguments | dict[str, Any] | None, *,
     a registered trainer name (default: from the config's class, ``_trainers``);
     ``ref_model``: DPO only, the user passes their own reference model."""
     kind = TRAINERS.get(trainer_of_args(args, trainer))
-    if ref_model is not None and kind.name != "dpo":
-        raise ConfigError([f"ref_model is a DPOTrainer setting, but the trainer is "
+    if ref_model is not None and not kind.takes_ref_model:
+        takers = " / ".join(k.title for k in TRAINERS if k.takes_ref_model)
+        raise ConfigError([f"ref_model is a {takers} setting, but the trainer is "
                            f"{kind.title}; leave ref_model out"], source=source)
     r = _Reader(*_as_dict(args), cls=kind.config_type())
     micro, accum, eval_b = (r.positive_int("per_device_train_batch_size"),

@@ -4,6 +4,7 @@ the order of warnings and candidate labels."""
 from . import checkpoint_offload, checkpointing, liger, neftune, torch_compile  # noqa: F401
 from .base import (
     TECHNIQUES,
+    Flag,
     Technique,
     TechniqueUse,
     read_techniques,
@@ -12,5 +13,5 @@ from .base import (
     unmodelled,
 )
 
-__all__ = ["TECHNIQUES", "Technique", "TechniqueUse", "read_techniques", "register", "searched",
+__all__ = ["TECHNIQUES", "Flag", "Technique", "TechniqueUse", "read_techniques", "register", "searched",
            "unmodelled"]

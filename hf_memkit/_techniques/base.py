@@ -5,12 +5,15 @@ arguments into the technique's options (None: off). A ``TrainingSetup`` carries 
 that are on as a set of ``TechniqueUse`` (name + options), and the trace cache key is derived
 from the setup, so a new technique is part of the key by construction.
 
-Per entry:
+Each entry is a ``Technique`` subclass in a file of its own, registered with one
+``register(Cls())`` line (as engines and methods are); it overrides what its technique does:
   * ``modelled``: False -> a warning names it and the estimate says it is ignored;
-  * ``trace_hook(model, options, stage=..., adapters=...)``: applied to the fake model before a
-    traced step (e.g. checkpointing wraps the layers);
-  * ``host_bytes(spec, setup, seq_len, options)``: bytes it keeps in host memory for a training
-    step, added to ``MemoryEstimate.host_offloaded`` (0 when None; an eval step counts none);
+  * ``trace_hook(model, options, stage=, adapters=, target=)``: applied to the fake model before
+    a traced step (e.g. checkpointing wraps the layers); ``target`` is the ``CudaTarget``, or
+    None for a CPU;
+  * ``host_bytes(spec, setup, seq_len, options, compute_dtype)``: bytes it keeps in host memory
+    for a training step, added to ``MemoryEstimate.host_offloaded`` (an eval step counts none);
+    ``compute_dtype``: the dtype each rank computes in;
   * ``devices``: the device kinds it acts on (empty: all). On any other target its host bytes
     are not counted, its trace hook (given ``target=None``) must leave the model as it is, and
     the estimate notes ``inert`` (why it changes nothing there);
@@ -32,7 +35,6 @@ Per entry:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .._registry import Registry
@@ -63,33 +65,59 @@ def frozen(v: Any) -> Any:
     return v
 
 
-Reader = Callable[[Mapping[str, Any], Callable[[str], Any]], "Mapping[str, Any] | None"]
-
-
-@dataclass(frozen=True)
 class Technique:
-    name: str
-    fields: tuple[str, ...]
-    read: Reader                          # (explicit args, get-with-defaults) -> options | None
-    what: str                             # what it changes, for notes and warnings
-    modelled: bool = True
+    """Base of the registered memory techniques; each file overrides what its technique does."""
+
+    name = ""
+    fields: tuple[str, ...] = ()
+    what = ""                             # what it changes, for notes and warnings
+    modelled = True
     label: str | None = None              # in warnings and candidate labels (default: name)
     title: str | None = None              # in sentences (default: label)
-    trace_hook: Callable[..., None] | None = None
-    host_bytes: Callable[..., int] | None = None
     devices: tuple[str, ...] = ()         # device kinds it acts on (empty: all)
-    inert: str = ""                       # the note on other device kinds
-    extra_flops: Callable[[int, float], float] | None = None
-    extra_seconds: Callable[..., float] | None = None
-    searched: bool = False
-    emit: Callable[[bool, Mapping[str, Any]], dict[str, Any]] | None = None
-    prepare: Callable[[Any], Any] | None = None
-    supported: Callable[[type], bool] = field(default=lambda cls: True)
-    available: Callable[[], bool] = field(default=lambda: True)
-    missing: str = ""
+    inert = ""                            # the note on other device kinds
+    searched = False
+    missing = ""
     requires: tuple[str, ...] = ()
-    ladder: int = 50
-    pinned: Callable[[Mapping[str, Any]], bool | None] | None = None  # default: any field given
+    ladder = 50
+
+    def read(self, explicit: Mapping[str, Any],
+             get: Callable[[str], Any]) -> Mapping[str, Any] | None:
+        """The options the arguments switch it on with (``explicit``: the fields given;
+        ``get``: any field, defaults included), or None: off."""
+        raise NotImplementedError
+
+    def trace_hook(self, model: Any, options: Mapping[str, Any], *, stage: str, adapters: bool,
+                   target: Any = None) -> None:
+        """Patch the fake model before a traced step (nothing by default)."""
+
+    def host_bytes(self, spec: Any, setup: Any, seq_len: int, options: Mapping[str, Any],
+                   compute_dtype: Any) -> int:
+        return 0
+
+    def extra_flops(self, n_params: int, attn_flops: float) -> float:
+        return 0.0
+
+    def extra_seconds(self, *, shape: Any, dev: Any, itemsize: int) -> float:
+        return 0.0
+
+    def emit(self, on: bool, pins: Mapping[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def prepare(self, model: Any) -> Any:
+        return model
+
+    def supported(self, model_cls: type) -> bool:
+        return True
+
+    def available(self) -> bool:
+        return True
+
+    def pinned(self, pins: Mapping[str, Any]) -> bool | None:
+        """Whether the user's pinned fields switch it on or off (None: not pinned)."""
+        if not any(f in pins for f in self.fields):
+            return None
+        return self.read(pins, pins.get) is not None
 
     @property
     def display(self) -> str:
@@ -102,13 +130,18 @@ class Technique:
     def acts_on(self, device_kind: str) -> bool:
         return not self.devices or device_kind in self.devices
 
-    def pin(self, pins: Mapping[str, Any]) -> bool | None:
-        """Whether the user's pinned fields switch it on or off (None: not pinned)."""
-        if self.pinned is not None:
-            return self.pinned(pins)
-        if not any(f in pins for f in self.fields):
-            return None
-        return self.read(pins, pins.get) is not None
+
+class Flag(Technique):
+    """A technique switched on by one truthy ``TrainingArguments`` field, named as the
+    technique (its value is the option)."""
+
+    def __init__(self, name: str, what: str, *, modelled: bool = True) -> None:
+        self.name, self.fields, self.what, self.modelled = name, (name,), what, modelled
+
+    def read(self, explicit: Mapping[str, Any],
+             get: Callable[[str], Any]) -> Mapping[str, Any] | None:
+        v = get(self.name)
+        return {"value": v} if v else None
 
 
 TECHNIQUES: Registry[Technique] = Registry("memory technique")
@@ -137,11 +170,3 @@ def unmodelled(uses: Iterable[TechniqueUse]) -> list[str]:
 
 def searched() -> list[Technique]:
     return [t for t in TECHNIQUES if t.searched]
-
-
-def flag(field_name: str) -> Reader:
-    """A technique switched on by one truthy TrainingArguments field (its value is the option)."""
-    def read(explicit: Mapping[str, Any], get: Callable[[str], Any]) -> Mapping[str, Any] | None:
-        v = get(field_name)
-        return {"value": v} if v else None
-    return read

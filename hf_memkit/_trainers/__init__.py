@@ -4,7 +4,9 @@
 # isort: off
 from . import trainer, sft, dpo  # noqa: F401  (registers, in this order)
 # isort: on
-from .base import TRAINERS, BatchShape, TraceStep, TrainerKind, register
+from .base import TRAINERS, BatchShape, TraceStep, TrainerKind, TrlTrainerKind, register
 from .detect import trainer_of_args
+from .trainer import TRAINER
 
-__all__ = ["TRAINERS", "BatchShape", "TraceStep", "TrainerKind", "register", "trainer_of_args"]
+__all__ = ["TRAINER", "TRAINERS", "BatchShape", "TraceStep", "TrainerKind", "TrlTrainerKind",
+           "register", "trainer_of_args"]

@@ -1,4 +1,5 @@
-"""The trainer registry: one ``TrainerKind`` per trainer class whose step hf_memkit models.
+"""The trainer registry: one ``TrainerKind`` subclass per trainer class whose step hf_memkit models,
+registered in one line (as engines, methods and techniques are).
 
 ``transformers.Trainer`` runs the model's own loss. TRL's trainers run their own: ``SFTTrainer``
 and ``DPOTrainer`` replace the LM head and loss with a fused log-prob head, DPO feeds chosen and
@@ -12,17 +13,23 @@ rejected rows together and runs a reference forward. An entry says, from its con
     or None), whose weights are held on the device;
   * ``unmodelled(options)``: "field: what it changes" for settings it does not model (warned);
   * ``adjust(uses)``: the techniques that are on, as the trainer changes them before training;
-  * ``fields``: the config fields it models (the field-coverage test checks the rest are named).
+  * ``notes(options)``, ``host_note(nbytes)``: what the estimate says about it;
+  * ``fields``: the config fields it models (the field-coverage test checks the rest are named);
+  * ``takes_ref_model``, ``lengths_plan``: whether ``ref_model=`` and ``lengths=`` apply;
+  * ``run_problems(...)`` and ``build(...)``: what ``hf-memkit train`` needs to run it, and the
+    trainer it builds over a recipe's rows.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from .._errors import HfMemkitError
 from .._registry import Registry
+from .._techniques.liger import liger_layers_only
+from .._units import format_bytes
 
 
 class BatchShape(NamedTuple):
@@ -80,29 +87,56 @@ class TraceStep:
         return out.loss if hasattr(out, "loss") else out[0]
 
 
-@dataclass(frozen=True)
 class TrainerKind:
-    name: str
-    title: str                                    # the trainer class users construct
-    config_class: str                             # "module.Class" of its arguments
-    read: Callable[[Callable[[str], Any]], Mapping[str, Any]] = field(
-        default=lambda get: {})
-    fields: tuple[str, ...] = ()
-    seq_len: Callable[[Mapping[str, Any]], int | None] = field(default=lambda o: None)
-    shape: Callable[[Mapping[str, Any], int, int], BatchShape] = field(
-        default=lambda o, batch, seq: BatchShape(batch, seq))
-    step: Callable[[Mapping[str, Any]], TraceStep] | None = None
-    reference: Callable[[Mapping[str, Any], bool], str | None] = field(
-        default=lambda o, adapters: None)
-    notes: Callable[[Mapping[str, Any]], list[str]] = field(default=lambda o: [])
-    unmodelled: Callable[[Mapping[str, Any]], list[str]] = field(default=lambda o: [])
+    """Base of the registered trainers: ``transformers.Trainer`` (the model's own loss from
+    ``labels``, rows x seq_len tokens); each TRL entry overrides what its trainer does."""
+
+    name = "trainer"
+    title = "Trainer"                             # the trainer class users construct
+    config_class = "transformers.TrainingArguments"  # "module.Class" of its arguments
+    fields: tuple[str, ...] = ()                  # the config fields it models
     extra: str | None = None                      # the pip extra that installs it
-    # the techniques as the trainer passes them on (TRL drops Liger's fused cross-entropy)
-    adjust: Callable[[frozenset[Any]], frozenset[Any]] = field(default=lambda uses: uses)
+    takes_ref_model = False                       # estimate_memory(ref_model=...) applies
+    lengths_plan = False                          # plans micro-batches in tokens from lengths=
+
+    def read(self, get: Callable[[str], Any]) -> Mapping[str, Any]:
+        """The options that change memory (``get``: a config field, with its default)."""
+        return {}
+
+    def seq_len(self, options: Mapping[str, Any]) -> int | None:
+        """The default sequence length (TRL: ``max_length``)."""
+        return None
+
+    def shape(self, options: Mapping[str, Any], batch: int, seq: int) -> BatchShape:
+        """The micro-batch the model really sees."""
+        return BatchShape(batch, seq)
+
+    def step(self, options: Mapping[str, Any]) -> TraceStep | None:
+        """The ``TraceStep`` the trace runs (None: the model's own loss)."""
+        return None
+
+    def reference(self, options: Mapping[str, Any], adapters: bool) -> str | None:
+        """What serves as the reference model ("copy", "adapters", or None)."""
+        return None
+
+    def notes(self, options: Mapping[str, Any]) -> list[str]:
+        return []
+
+    def unmodelled(self, options: Mapping[str, Any]) -> list[str]:
+        """``"field: what it changes"`` for settings on in ``options`` it does not model."""
+        return []
+
+    def adjust(self, uses: frozenset[Any]) -> frozenset[Any]:
+        """The techniques that are on, as the trainer passes them on."""
+        return uses
+
+    def host_note(self, nbytes: int) -> str:
+        """What the estimate says of the pinned host bytes its ``TraceStep`` held at once."""
+        return f"{self.title} keeps {format_bytes(nbytes)} in pinned host memory at once"
 
     def modelled_fields(self) -> frozenset[str]:
         """``fields`` less those ``unmodelled`` warns about when they are on (its messages
-        start with the field's name): the config fields the estimate follows (``_fields``)."""
+        start with the field's name): the config fields the estimate follows (``_setup``)."""
         warned = {m.split(":", 1)[0] for m in self.unmodelled({f: True for f in self.fields})}
         return frozenset(self.fields) - warned
 
@@ -114,11 +148,62 @@ class TrainerKind:
         try:
             return getattr(importlib.import_module(module), cls)
         except ImportError as exc:
-            from .._errors import HfMemkitError
-
             raise HfMemkitError(
                 f"trainer={self.name!r} ({self.title}) needs {module}, which is not installed "
                 f"({exc}); pip install 'hf-memkit[{self.extra}]'") from exc
+
+    # -- hf-memkit train ------------------------------------------------------------------------
+    def run_problems(self, *, where: str, synthetic: bool, task: str | None,
+                     callbacks: tuple[str, ...]) -> list[str]:
+        """Why ``hf-memkit train`` cannot train a recipe with this trainer (``where``: the
+        recipe; its data, task and callbacks)."""
+        return []
+
+    def build(self, *, model: Any, args: Any, rows: Any, data_collator: Any,
+              processing_class: Any, callbacks: list[Any], oom_guard: bool) -> Any:
+        """The trainer ``hf-memkit train`` runs over ``rows`` (items with ``input_ids``);
+        ``args``: the plan's config for this trainer; ``oom_guard``: recover from OOMs."""
+        from transformers import Trainer
+
+        from .._oom.guard import OOMGuardTrainer
+
+        cls = OOMGuardTrainer if oom_guard else Trainer
+        return cls(model=model, args=args, train_dataset=rows, data_collator=data_collator,
+                   processing_class=processing_class, callbacks=callbacks)
+
+
+class TrlTrainerKind(TrainerKind):
+    """What TRL's ``SFTTrainer`` and ``DPOTrainer`` share: a config with ``max_length`` (the
+    default ``seq_len``), Liger's layer kernels only (``adjust``), TRL's activation offloading
+    (``host_note``), and what ``hf-memkit train`` needs to run them (``run_problems``)."""
+
+    extra = "trl"
+
+    def seq_len(self, options: Mapping[str, Any]) -> int | None:
+        return options.get("max_length")
+
+    def adjust(self, uses: frozenset[Any]) -> frozenset[Any]:
+        return liger_layers_only(uses)
+
+    def host_note(self, nbytes: int) -> str:
+        return (f"TRL's activation offloading keeps {format_bytes(nbytes)} of saved activations "
+                "in pinned host memory at once (the device keeps the last few it copied, and in "
+                "the backward the ones two autograd nodes use)")
+
+    def run_problems(self, *, where: str, synthetic: bool, task: str | None,
+                     callbacks: tuple[str, ...]) -> list[str]:
+        problems = []
+        if task is not None and task != "causal-lm":
+            problems.append(f"{where}: model.task: trainer: {self.name} trains a causal LM; "
+                            f"this model's task is {task} (use trainer: trainer, or model.task: "
+                            "causal-lm)")
+        if "oom_guard" in callbacks:
+            problems.append(
+                f"{where}: callbacks: oom_guard retries a step by splitting its micro-batch "
+                f"into rows, which TRL's packed and padding-free batches do not allow; with "
+                f"trainer: {self.name} drop oom_guard (the plan already fits the memory it was "
+                "given)")
+        return problems
 
 
 def padded_length(o: Mapping[str, Any], seq: int) -> int:

@@ -24,30 +24,9 @@ from typing import Any
 
 import torch
 
-from .._techniques.liger import liger_layers_only
-from .base import BatchShape, TraceStep, TrainerKind, padded_length, register
+from .base import BatchShape, TraceStep, TrlTrainerKind, padded_length, register
+from .data import preference_pair, token_rows, word_tokenizer
 from .fused_head import DPO_OUTPUTS, add_head, fold_context
-
-
-def _read(get: Callable[[str], Any]) -> dict[str, Any]:
-    return {"max_length": get("max_length"),
-            "precompute_ref_log_probs": bool(get("precompute_ref_log_probs")),
-            "use_weighting": bool(get("use_weighting")),
-            "pad_to_multiple_of": get("pad_to_multiple_of"),
-            "ref_model": None,   # set by estimate_memory(ref_model=...)
-            "activation_offloading": bool(get("activation_offloading"))}
-
-
-def _shape(o: Mapping[str, Any], batch: int, seq: int) -> BatchShape:
-    return BatchShape(2 * batch, padded_length(o, seq), padded=True)
-
-
-def reference(o: Mapping[str, Any], adapters: bool) -> str | None:
-    if o.get("ref_model"):
-        return "copy"
-    if adapters:
-        return "adapters"
-    return None if o.get("precompute_ref_log_probs") else "copy"
 
 
 class DPOStep(TraceStep):
@@ -88,14 +67,70 @@ class DPOStep(TraceStep):
         return -torch.nn.functional.logsigmoid(0.1 * delta).mean()  # loss_type "sigmoid"
 
 
-def _notes(o: Mapping[str, Any]) -> list[str]:
-    return ["DPOTrainer: each example is a chosen and a rejected row (2 x micro-batch rows), "
-            "scored by TRL's fused log-prob head"]
+class DPO(TrlTrainerKind):
+    name = "dpo"
+    title = "DPOTrainer"
+    config_class = "trl.DPOConfig"
+    fields = ("max_length", "precompute_ref_log_probs", "use_weighting", "pad_to_multiple_of",
+              "padding_free", "activation_offloading", "loss_type")
+    takes_ref_model = True
+
+    def read(self, get: Callable[[str], Any]) -> dict[str, Any]:
+        return {"max_length": get("max_length"),
+                "precompute_ref_log_probs": bool(get("precompute_ref_log_probs")),
+                "use_weighting": bool(get("use_weighting")),
+                "pad_to_multiple_of": get("pad_to_multiple_of"),
+                "ref_model": None,   # set by estimate_memory(ref_model=...)
+                "activation_offloading": bool(get("activation_offloading"))}
+
+    def shape(self, options: Mapping[str, Any], batch: int, seq: int) -> BatchShape:
+        return BatchShape(2 * batch, padded_length(options, seq), padded=True)
+
+    def step(self, options: Mapping[str, Any]) -> TraceStep:
+        return DPOStep(options)
+
+    def reference(self, options: Mapping[str, Any], adapters: bool) -> str | None:
+        if options.get("ref_model"):
+            return "copy"
+        if adapters:
+            return "adapters"
+        return None if options.get("precompute_ref_log_probs") else "copy"
+
+    def notes(self, options: Mapping[str, Any]) -> list[str]:
+        return ["DPOTrainer: each example is a chosen and a rejected row (2 x micro-batch rows), "
+                "scored by TRL's fused log-prob head"]
+
+    def run_problems(self, *, where: str, synthetic: bool, task: str | None,
+                     callbacks: tuple[str, ...]) -> list[str]:
+        problems = super().run_problems(where=where, synthetic=synthetic, task=task,
+                                        callbacks=callbacks)
+        if not synthetic:
+            problems.insert(0, (
+                f"{where}: data.source: `hf-memkit train` makes DPO's preference pairs (prompt, "
+                "chosen, rejected) only for data: synthetic; for your own pairs train "
+                "DPOTrainer yourself with plan.to_training_args() and "
+                f"hf_memkit.MemoryCallback(plan) (hf-memkit plan {where} works as it is)"))
+        return problems
+
+    def build(self, *, model: Any, args: Any, rows: Any, data_collator: Any,
+              processing_class: Any, callbacks: list[Any], oom_guard: bool) -> Any:
+        """``trl.DPOTrainer`` over preference pairs made from ``rows`` (``data``), with the
+        reference model the plan counted (``reference``): the policy's own adapters for
+        LoRA/QLoRA, none with ``precompute_ref_log_probs``, else a frozen copy of the policy
+        (``DPOTrainer`` would load one from the model's Hub name, which a model built from a
+        config does not have)."""
+        import copy
+
+        import datasets
+        import trl
+
+        vocab = model.config.get_text_config().vocab_size
+        pairs = [preference_pair(r["input_ids"], vocab) for r in token_rows(rows)]
+        adapters = hasattr(model, "disable_adapter")       # a PEFT policy is its own reference
+        ref = None if adapters or args.precompute_ref_log_probs else copy.deepcopy(model).eval()
+        return trl.DPOTrainer(model=model, ref_model=ref, args=args,
+                              train_dataset=datasets.Dataset.from_list(pairs),
+                              processing_class=word_tokenizer(vocab), callbacks=callbacks)
 
 
-register(TrainerKind(
-    "dpo", title="DPOTrainer", config_class="trl.DPOConfig", extra="trl", read=_read,
-    fields=("max_length", "precompute_ref_log_probs", "use_weighting", "pad_to_multiple_of",
-            "padding_free", "activation_offloading", "loss_type"),
-    seq_len=lambda o: o.get("max_length"), shape=_shape, step=DPOStep, reference=reference,
-    notes=_notes, adjust=liger_layers_only))
+register(DPO())

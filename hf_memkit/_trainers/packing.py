@@ -84,17 +84,15 @@ def with_lengths(setup, lengths: Sequence[int] | None, seq_len: int | None):
         raise ConfigError([f"lengths must be the token counts of the dataset's rows (positive "
                            f"integers), got {'an empty list' if not len(lengths) else bad[:5]}"],
                           source="estimate_memory")
-    o = dict(setup.trainer.options)
+    o = setup.trainer_options
     cap = o.get("max_length")
     longest = min(max(lengths), cap) if cap else max(lengths)
-    if setup.trainer.name != "sft" or not o.get("padding_free"):
+    kind = setup.trainer_kind
+    if not kind.lengths_plan or not o.get("padding_free"):
         return setup, seq_len or longest
     split = o.get("packing_strategy") == "bfd_split"
     o["tokens"] = peak_tokens(lengths, setup.micro_batch, packing=bool(o.get("packing")),
                               max_length=cap, split=split)
-    from .base import TRAINERS
-
-    kind = TRAINERS.get("sft")
-    before = set(kind.notes(dict(setup.trainer.options)))
+    before = set(kind.notes(setup.trainer_options))
     notes = tuple(n for n in setup.notes if n not in before) + tuple(kind.notes(o))
-    return setup.replace(trainer=TechniqueUse.of("sft", o), notes=notes), seq_len or longest
+    return setup.replace(trainer=TechniqueUse.of(kind.name, o), notes=notes), seq_len or longest

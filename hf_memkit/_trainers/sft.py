@@ -20,30 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .._techniques.liger import liger_layers_only
-from .base import BatchShape, TraceStep, TrainerKind, padded_length, register
+from .base import BatchShape, TraceStep, TrlTrainerKind, padded_length, register
+from .data import token_rows, word_tokenizer
 from .fused_head import SFT_OUTPUTS, add_head, fold_context
-
-
-def _read(get: Callable[[str], Any]) -> dict[str, Any]:
-    packing = bool(get("packing"))
-    strategy = str(get("packing_strategy") or "bfd")
-    return {"max_length": get("max_length"), "packing": packing,
-            "padding_free": bool(get("padding_free")) or (
-                packing and strategy in ("bfd", "bfd_split")),
-            "loss_type": "nll" if get("loss_type") in ("nll", "chunked_nll") else
-            str(get("loss_type")),
-            "pad_to_multiple_of": get("pad_to_multiple_of"),
-            "packing_strategy": strategy if packing else None,
-            "activation_offloading": bool(get("activation_offloading"))}
-
-
-def _shape(o: Mapping[str, Any], batch: int, seq: int) -> BatchShape:
-    if o.get("tokens"):  # the largest micro-batch of estimate_memory(lengths=...) (packing.py)
-        return BatchShape(1, padded_length(o, o["tokens"]), packed=True)
-    if o.get("padding_free"):
-        return BatchShape(1, batch * seq, packed=True)
-    return BatchShape(batch, padded_length(o, seq))
 
 
 class SFTStep(TraceStep):
@@ -68,23 +47,63 @@ class SFTStep(TraceStep):
         return per_token.sum() / out.label_mask.sum().clamp(min=1)
 
 
-def _notes(o: Mapping[str, Any]) -> list[str]:
-    notes = ["SFTTrainer: TRL's fused log-prob head (tiles of <= 4096 tokens x 32768 vocab), "
-             "not the model's logits and loss"]
-    if o.get("tokens"):
-        notes.append(f"padding-free: the largest micro-batch of the given lengths, "
-                     f"{o['tokens']} tokens in one row"
-                     + (" (the fullest BFD bins)" if o.get("packing") else " (the longest rows)"))
-    elif o.get("padding_free"):
-        notes.append("padding-free: the micro-batch is one row of micro_batch x seq_len tokens "
-                     "(seq_len: the mean row length; packing: full bins of max_length, an upper "
-                     "bound when the bins are not full; lengths=[...] gives the real bins)")
-    return notes
+class SFT(TrlTrainerKind):
+    name = "sft"
+    title = "SFTTrainer"
+    config_class = "trl.SFTConfig"
+    fields = ("max_length", "packing", "packing_strategy", "padding_free", "loss_type",
+              "pad_to_multiple_of", "activation_offloading")
+    lengths_plan = True
+
+    def read(self, get: Callable[[str], Any]) -> dict[str, Any]:
+        packing = bool(get("packing"))
+        strategy = str(get("packing_strategy") or "bfd")
+        return {"max_length": get("max_length"), "packing": packing,
+                "padding_free": bool(get("padding_free")) or (
+                    packing and strategy in ("bfd", "bfd_split")),
+                "loss_type": "nll" if get("loss_type") in ("nll", "chunked_nll") else
+                str(get("loss_type")),
+                "pad_to_multiple_of": get("pad_to_multiple_of"),
+                "packing_strategy": strategy if packing else None,
+                "activation_offloading": bool(get("activation_offloading"))}
+
+    def shape(self, options: Mapping[str, Any], batch: int, seq: int) -> BatchShape:
+        if options.get("tokens"):  # the largest micro-batch of estimate_memory(lengths=...)
+            return BatchShape(1, padded_length(options, options["tokens"]), packed=True)
+        if options.get("padding_free"):
+            return BatchShape(1, batch * seq, packed=True)
+        return BatchShape(batch, padded_length(options, seq))
+
+    def step(self, options: Mapping[str, Any]) -> TraceStep:
+        return SFTStep(options)
+
+    def notes(self, options: Mapping[str, Any]) -> list[str]:
+        notes = ["SFTTrainer: TRL's fused log-prob head (tiles of <= 4096 tokens x 32768 "
+                 "vocab), not the model's logits and loss"]
+        if options.get("tokens"):
+            notes.append(f"padding-free: the largest micro-batch of the given lengths, "
+                         f"{options['tokens']} tokens in one row"
+                         + (" (the fullest BFD bins)" if options.get("packing")
+                            else " (the longest rows)"))
+        elif options.get("padding_free"):
+            notes.append("padding-free: the micro-batch is one row of micro_batch x seq_len "
+                         "tokens (seq_len: the mean row length; packing: full bins of "
+                         "max_length, an upper bound when the bins are not full; "
+                         "lengths=[...] gives the real bins)")
+        return notes
+
+    def build(self, *, model: Any, args: Any, rows: Any, data_collator: Any,
+              processing_class: Any, callbacks: list[Any], oom_guard: bool) -> Any:
+        """``trl.SFTTrainer`` over ``rows`` pre-tokenized (``data.token_rows``); ``processing_class``
+        None: ``word_tokenizer`` over the model's vocabulary."""
+        import datasets
+        import trl
+
+        if processing_class is None:
+            processing_class = word_tokenizer(model.config.get_text_config().vocab_size)
+        return trl.SFTTrainer(model=model, args=args,
+                              train_dataset=datasets.Dataset.from_list(token_rows(rows)),
+                              processing_class=processing_class, callbacks=callbacks)
 
 
-register(TrainerKind(
-    "sft", title="SFTTrainer", config_class="trl.SFTConfig", extra="trl", read=_read,
-    fields=("max_length", "packing", "packing_strategy", "padding_free", "loss_type",
-            "pad_to_multiple_of", "activation_offloading"),
-    seq_len=lambda o: o.get("max_length"), shape=_shape, step=SFTStep, notes=_notes,
-    adjust=liger_layers_only))
+register(SFT())

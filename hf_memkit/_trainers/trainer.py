@@ -1,6 +1,6 @@
-"""``transformers.Trainer``: the model's own loss from ``labels``, rows x seq_len tokens."""
+"""``transformers.Trainer``: the model's own loss from ``labels``, rows x seq_len tokens (the base
+``TrainerKind`` as it is)."""
 
 from .base import TrainerKind, register
 
-register(TrainerKind("trainer", title="Trainer",
-                     config_class="transformers.TrainingArguments"))
+TRAINER = register(TrainerKind())

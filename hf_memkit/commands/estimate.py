@@ -98,7 +98,9 @@ def trainer_fields(fields: list, trainer: str | None, *, also: tuple[str, ...] =
     reported together (exit 2). ``also``: names the command takes besides the config's
     (``micro_batch``). The plain Trainer's fields stay as parsed (``estimate_memory`` checks
     them)."""
-    if trainer in (None, "trainer"):
+    from .._trainers import TRAINER
+
+    if trainer in (None, TRAINER.name):
         return dict(fields)
     from .._errors import ConfigError
     from .._setup.fields import check_config_field, config_class
@@ -169,7 +171,9 @@ def seq_len_or_max_length(seq_len: int | None, fields: dict, trainer: str | None
     (None: the API derives it); without any, ``HfMemkitError`` saying what to give."""
     if seq_len is not None or lengths is not None:
         return seq_len
-    if trainer not in (None, "trainer") and fields.get("max_length") is not None:
+    from .._trainers import TRAINER
+
+    if trainer not in (None, TRAINER.name) and fields.get("max_length") is not None:
         return None
     raise HfMemkitError("--seq-len is required (tokens per sequence, e.g. --seq-len 2048); "
                         "with --trainer sft or dpo, max_length=N may give it instead, or "

@@ -108,12 +108,12 @@ def run_train(recipe_ref: str, *, output_dir: str | None = None, max_steps: int 
     from .._recipe import load_recipe
     from .._run.train import (
         check_trainable_here,
+        check_trainer_runs,
         plan_recipe,
         train_recipe,
         with_max_steps,
         with_pins,
     )
-    from .._run.trl import check_trl_trainable
     from .._views.text import plan_tables, print_tables
 
     console = console or Console()
@@ -123,7 +123,7 @@ def run_train(recipe_ref: str, *, output_dir: str | None = None, max_steps: int 
     if max_steps is not None:
         recipe = with_max_steps(recipe, max_steps)
     check_trainable_here(recipe)
-    check_trl_trainable(recipe)   # DPO recipes: planned, not trained here yet
+    check_trainer_runs(recipe)   # before planning: e.g. DPO trains synthetic pairs only
     plan = plan_recipe(recipe)
     if not as_json:
         console.rule(f"plan for {recipe.source}")

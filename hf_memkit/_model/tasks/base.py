@@ -1,35 +1,32 @@
-"""The task/head registry: one ``Task`` per file. A task names the transformers Auto class that
-builds its head, how ``config.architectures`` reveals it, the labels its collator makes (what the
-trace feeds the model), peft's task type, and whether evaluation keeps vocabulary-sized logits."""
+"""The task/head registry: one ``Task`` subclass per file, registered in one line. A task names
+the transformers Auto class that builds its head, how ``config.architectures`` reveals it, the
+labels its collator makes (what the trace feeds the model), peft's task type, and whether
+evaluation keeps vocabulary-sized logits."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from ..._errors import HfMemkitError
 from ..._registry import Registry
 
 
-@dataclass(frozen=True)
 class Task:
-    name: str
-    auto_class: str                          # transformers Auto class, e.g. AutoModelForCausalLM
-    labels: Callable[[int, int, int], dict[str, Any]]  # (batch, seq_len, target_len) -> tensors
+    """Base of the registered tasks; each file sets its facts and the labels its collator makes
+    (``labels_for``: what the trace feeds the model)."""
+
+    name = ""
+    auto_class = ""                          # transformers Auto class, e.g. AutoModelForCausalLM
     arch_suffixes: tuple[str, ...] = ()      # config.architectures[0] endings that mean this task
-    encoder_decoder_only: bool = False       # the suffix means this task only for seq2seq configs
+    encoder_decoder_only = False             # the suffix means this task only for seq2seq configs
     peft_task_type: str | None = None        # peft.TaskType value
-    vocab_logits: bool = False               # eval keeps [batch x len x vocab] logits
-    trainable_by_cli: bool = False           # `hf-memkit train` builds its data
-    # labels that depend on the config (config, batch, seq_len, target_len) -> tensors; None: labels
-    config_labels: Callable[[Any, int, int, int], dict[str, Any]] | None = None
+    vocab_logits = False                     # eval keeps [batch x len x vocab] logits
+    trainable_by_cli = False                 # `hf-memkit train` builds its data
 
     def labels_for(self, config: Any, batch: int, seq_len: int, target_len: int) -> dict:
-        """The labels the default collator makes for ``config``."""
-        if self.config_labels is not None and config is not None:
-            return self.config_labels(config, batch, seq_len, target_len)
-        return self.labels(batch, seq_len, target_len)
+        """The labels the default collator makes for a micro-batch of ``config``'s model
+        (``config`` may be None: the labels of the default config)."""
+        return {}
 
 
 TASKS: Registry[Task] = Registry(

@@ -1,7 +1,18 @@
 """Masked language modelling: a label per token."""
 
+from typing import Any
+
 from .base import Task, long_zeros, register
 
-register(Task("masked-lm", "AutoModelForMaskedLM",
-              labels=lambda b, s, t: {"labels": long_zeros(b, s)},
-              arch_suffixes=("ForMaskedLM",), vocab_logits=True), "mlm")
+
+class MaskedLM(Task):
+    name = "masked-lm"
+    auto_class = "AutoModelForMaskedLM"
+    arch_suffixes = ("ForMaskedLM",)
+    vocab_logits = True
+
+    def labels_for(self, config: Any, batch: int, seq_len: int, target_len: int) -> dict:
+        return {"labels": long_zeros(batch, seq_len)}
+
+
+register(MaskedLM(), "mlm")

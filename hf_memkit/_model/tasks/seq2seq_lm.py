@@ -1,8 +1,20 @@
 """Sequence-to-sequence language modelling: labels of the target length."""
 
+from typing import Any
+
 from .base import Task, long_zeros, register
 
-register(Task("seq2seq-lm", "AutoModelForSeq2SeqLM",
-              labels=lambda b, s, t: {"labels": long_zeros(b, t)},
-              arch_suffixes=("ForConditionalGeneration",), encoder_decoder_only=True,
-              peft_task_type="SEQ_2_SEQ_LM", vocab_logits=True), "seq2seq")
+
+class Seq2SeqLM(Task):
+    name = "seq2seq-lm"
+    auto_class = "AutoModelForSeq2SeqLM"
+    arch_suffixes = ("ForConditionalGeneration",)
+    encoder_decoder_only = True
+    peft_task_type = "SEQ_2_SEQ_LM"
+    vocab_logits = True
+
+    def labels_for(self, config: Any, batch: int, seq_len: int, target_len: int) -> dict:
+        return {"labels": long_zeros(batch, target_len)}
+
+
+register(Seq2SeqLM(), "seq2seq")

@@ -8,18 +8,22 @@ from typing import Any
 from .base import Task, long_zeros, register
 
 
-def _labels(config: Any, b: int, s: int, t: int) -> dict[str, Any]:
-    import torch
+class SequenceClassification(Task):
+    name = "sequence-classification"
+    auto_class = "AutoModelForSequenceClassification"
+    arch_suffixes = ("ForSequenceClassification",)
+    peft_task_type = "SEQ_CLS"
+    trainable_by_cli = True
 
-    kind, n = getattr(config, "problem_type", None), getattr(config, "num_labels", 2)
-    if kind == "multi_label_classification":
-        return {"labels": torch.zeros(b, n)}
-    if kind == "regression" or (kind is None and n == 1):
-        return {"labels": torch.zeros(b)}
-    return {"labels": long_zeros(b)}
+    def labels_for(self, config: Any, batch: int, seq_len: int, target_len: int) -> dict:
+        import torch
+
+        kind, n = getattr(config, "problem_type", None), getattr(config, "num_labels", 2)
+        if kind == "multi_label_classification":
+            return {"labels": torch.zeros(batch, n)}
+        if kind == "regression" or (kind is None and n == 1):
+            return {"labels": torch.zeros(batch)}
+        return {"labels": long_zeros(batch)}
 
 
-register(Task("sequence-classification", "AutoModelForSequenceClassification",
-              labels=lambda b, s, t: {"labels": long_zeros(b)}, config_labels=_labels,
-              arch_suffixes=("ForSequenceClassification",), peft_task_type="SEQ_CLS",
-              trainable_by_cli=True), "seq-cls", "classification")
+register(SequenceClassification(), "seq-cls", "classification")

@@ -25,57 +25,10 @@ from ..base import Technique, TechniqueUse, register
 NAME = "use_liger_kernel"
 
 
-def _read(explicit: Mapping[str, Any], get: Callable[[str], Any]) -> dict[str, Any] | None:
-    if not get("use_liger_kernel"):
-        return None
-    config = get("liger_kernel_config") or {}
-    if not isinstance(config, Mapping):
-        raise HfMemkitError(f"liger_kernel_config must be a dict of kernel switches (e.g. "
-                            f"{{'fused_linear_cross_entropy': False}}), got {config!r}")
-    # the Trainer's eval with prediction_loss_only passes skip_logits=True (trainer.py)
-    return {"value": True, "config": {str(k): bool(v) for k, v in config.items()},
-            "prediction_loss_only": bool(get("prediction_loss_only"))}
-
-
 def refusal(device: str = "a CPU") -> str:
     return (f"use_liger_kernel=True cannot run on {device}: Liger's kernels are Triton GPU "
             "kernels. Drop use_liger_kernel (and liger_kernel_config) for this device, or "
             "estimate for the GPU it will run on with device= (e.g. device=\"A100-80GB\")")
-
-
-def _trace_hook(model: Any, options: Mapping[str, Any], *, stage: str, adapters: bool,
-                target: Any = None) -> None:
-    if target is None:
-        raise HfMemkitError(refusal())
-    from .kernels import apply_liger
-
-    skip = True if stage == "eval" and options.get("prediction_loss_only") else None
-    try:
-        apply_liger(model, dict(options.get("config") or ()),
-                    compute_capability=target.compute_capability, skip_logits=skip)
-    except ValueError as exc:  # Liger's own assert, before any training step
-        raise HfMemkitError(f"liger_kernel_config: {exc} Set one of them to False (the "
-                            "default is fused_linear_cross_entropy=True, "
-                            "cross_entropy=False)") from exc
-
-
-def _supported(model_cls: type) -> bool:
-    from .kernels import MODEL_TYPES
-
-    return str(getattr(getattr(model_cls, "config_class", None), "model_type", "")) in MODEL_TYPES
-
-
-def _available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("liger_kernel") is not None
-
-
-def _emit(on: bool, pins: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {"use_liger_kernel": on}
-    if on and "liger_kernel_config" in pins:
-        out["liger_kernel_config"] = dict(pins["liger_kernel_config"] or {})
-    return out
 
 
 def layers_only(config: Mapping[str, Any] | None) -> dict[str, bool]:
@@ -106,11 +59,64 @@ def liger_layers_only(uses: frozenset[TechniqueUse]) -> frozenset[TechniqueUse]:
     return frozenset(out)
 
 
-register(Technique(
-    NAME, fields=("use_liger_kernel", "liger_kernel_config"), read=_read,
-    what="Liger kernels: fused linear cross-entropy in chunks (no [tokens x vocab] logits), "
-         "RMSNorm, SwiGLU and RoPE that save fewer activations",
-    label="Liger kernels", trace_hook=_trace_hook, devices=("cuda",), searched=True,
-    emit=_emit, supported=_supported, available=_available,
-    missing="liger-kernel (pip install liger-kernel)", ladder=10,
-    pinned=lambda pins: bool(pins["use_liger_kernel"]) if "use_liger_kernel" in pins else None))
+
+class Liger(Technique):
+    name = NAME
+    fields = ("use_liger_kernel", "liger_kernel_config")
+    what = ("Liger kernels: fused linear cross-entropy in chunks (no [tokens x vocab] logits), "
+            "RMSNorm, SwiGLU and RoPE that save fewer activations")
+    label = "Liger kernels"
+    devices = ("cuda",)
+    searched = True
+    missing = "liger-kernel (pip install liger-kernel)"
+    ladder = 10
+
+    def read(self, explicit: Mapping[str, Any],
+             get: Callable[[str], Any]) -> dict[str, Any] | None:
+        if not get("use_liger_kernel"):
+            return None
+        config = get("liger_kernel_config") or {}
+        if not isinstance(config, Mapping):
+            raise HfMemkitError(f"liger_kernel_config must be a dict of kernel switches (e.g. "
+                                f"{{'fused_linear_cross_entropy': False}}), got {config!r}")
+        # the Trainer's eval with prediction_loss_only passes skip_logits=True (trainer.py)
+        return {"value": True, "config": {str(k): bool(v) for k, v in config.items()},
+                "prediction_loss_only": bool(get("prediction_loss_only"))}
+
+    def trace_hook(self, model: Any, options: Mapping[str, Any], *, stage: str, adapters: bool,
+                   target: Any = None) -> None:
+        if target is None:
+            raise HfMemkitError(refusal())
+        from .kernels import apply_liger
+
+        skip = True if stage == "eval" and options.get("prediction_loss_only") else None
+        try:
+            apply_liger(model, dict(options.get("config") or ()),
+                        compute_capability=target.compute_capability, skip_logits=skip)
+        except ValueError as exc:  # Liger's own assert, before any training step
+            raise HfMemkitError(f"liger_kernel_config: {exc} Set one of them to False (the "
+                                "default is fused_linear_cross_entropy=True, "
+                                "cross_entropy=False)") from exc
+
+    def supported(self, model_cls: type) -> bool:
+        from .kernels import MODEL_TYPES
+
+        config_class = getattr(model_cls, "config_class", None)
+        return str(getattr(config_class, "model_type", "")) in MODEL_TYPES
+
+    def available(self) -> bool:
+        import importlib.util
+
+        return importlib.util.find_spec("liger_kernel") is not None
+
+    def emit(self, on: bool, pins: Mapping[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {"use_liger_kernel": on}
+        if on and "liger_kernel_config" in pins:
+            out["liger_kernel_config"] = dict(pins["liger_kernel_config"] or {})
+        return out
+
+    def pinned(self, pins: Mapping[str, Any]) -> bool | None:
+        return bool(pins["use_liger_kernel"]) if "use_liger_kernel" in pins else None
+
+
+register(Liger())
