@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 from .._compat import is_flash_attn_available
 from .._device.probe import DeviceInfo
 from .._engines import ENGINES, Rung, all_rungs
+from .._engines.single import SINGLE as SINGLE_ENGINE
 from .._errors import HfMemkitError
 from .._estimate import MemoryEstimate
 from .._methods import Method
@@ -25,8 +26,8 @@ from .._techniques.checkpointing import NAME as CHECKPOINTING
 from .lengths import padding_free_choices
 from .request import PlanRequest
 
-SINGLE = Rung("single", "1 GPU", "none")
-PINNED = Rung("pinned", "pinned engine", "none")  # the user's own fsdp / deepspeed pins
+SINGLE = Rung("single", "1 GPU", SINGLE_ENGINE.name)
+PINNED = Rung("pinned", "pinned engine", SINGLE_ENGINE.name)  # the user's own engine pins
 
 
 def rung_of(name: str) -> Rung:
@@ -186,16 +187,18 @@ def technique_combos(choices: list[tuple[Technique, list[bool]]]) -> list[tuple[
 
 
 def strategies(req: PlanRequest, method: Method) -> list[Rung]:
-    """The data-parallel rungs ``method`` may use: DDP, then the engine's sharding rungs."""
-    if any(req.pins.get(k) for k in ("fsdp", "deepspeed")):
+    """The data-parallel rungs ``method`` may use: replicas (DDP), then the sharding rungs of
+    the engine asked for (``engine="auto"``: the default sharding engine, FSDP2)."""
+    if any(e.selected(req.pins.get) for e in ENGINES):
         return [PINNED]
     if req.ranks == 1:
         return [SINGLE]
-    rungs = all_rungs()
-    engine = "fsdp" if req.engine == "auto" else req.engine
-    names = ["ddp"] + ([] if engine == "ddp" else [r.name for r in rungs.values()
-                                                   if r.engine == engine])
-    return [rungs[n] for n in names if method.allows_rung(rungs[n])]
+    engine = ENGINES.get(req.engine) if req.engine != "auto" else \
+        next(e for e in ENGINES if e.default_sharding)
+    rungs = [r for e in ENGINES if e.replicates for r in e.rungs()]
+    if not engine.replicates:
+        rungs += engine.rungs()
+    return [r for r in rungs if method.allows_rung(r)]
 
 
 def optimizers(req: PlanRequest) -> list[str]:
@@ -212,7 +215,7 @@ def _rung_precision_optim(req: PlanRequest, meth: Method) -> Iterator[tuple[Rung
                     rung.precisions and precision not in rung.precisions):
                 continue
             for optim in opts:
-                if rung.engine not in ("none", "ddp") and "optim" not in req.pins and \
+                if ENGINES.get(rung.engine).sharded and "optim" not in req.pins and \
                         not get_optimizer_profile(optim).shardable:
                     continue  # sharded/offloaded states: torch AdamW (DTensor, DeepSpeed)
                 yield rung, precision, optim
