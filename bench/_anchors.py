@@ -133,7 +133,7 @@ def traced_phases(name: str, attn: str, batch: int, seq: int,
                   cc: tuple[int, int] | None = (8, 6)) -> tuple[dict[str, int], int]:
     """(peak totals per phase, weights) of the full-depth model, from traces of 2 and 3 blocks
     extrapolated linearly in depth per phase (as _estimate._trace_excess does), traced as the
-    anchor's GPU runs it (``_cuda_emulation``: its SDPA kernel and CUDA's dropout; the anchors'
+    anchor's GPU runs it (``_cuda.emulation``: its SDPA kernel and CUDA's dropout; the anchors'
     torch 2.2/2.4 CUDA 12.1 wheels do not prefer cuDNN attention)."""
     cfg, cls = _model_cls(name)
     full = layer_count(cfg)

@@ -246,7 +246,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="write all rows and figures here")
     ap.add_argument("--only", help="only cases whose id contains this")
     ap.add_argument("--no-fit", action="store_true",
-                    help="use the CudaCalibration in _cuda.py as is (no refit of alloc_const)")
+                    help="use the CudaCalibration in _cuda/runtime.py as is (no refit of alloc_const)")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     usable, excluded = [], []
@@ -263,8 +263,8 @@ def main(argv=None) -> int:
     groups, zero_groups = group_stats(rows), group_stats(rows0)
 
     print_rows(rows["all"], rows["none"], excluded)
-    print(f"\ncalibration ({'_cuda.py as is' if a.no_fit else 'alloc_const refit on the fit half'}"
-          f"): alloc_const={cal.alloc_const} B ({cal.alloc_const / 2**20:.2f} MiB; _cuda.py has "
+    print(f"\ncalibration ({'_cuda/runtime.py as is' if a.no_fit else 'alloc_const refit on the fit half'}"
+          f"): alloc_const={cal.alloc_const} B ({cal.alloc_const / 2**20:.2f} MiB; _cuda/runtime.py has "
           f"{_cuda.CALIBRATION.alloc_const} B); fixed: cublas_workspace(sm_86/89)="
           f"{_cuda.cublas_workspace((8, 6))} B, CONTEXT_EAGER_LOADING="
           f"{_cuda.CONTEXT_EAGER_LOADING // 2**20} MiB")
@@ -277,9 +277,9 @@ def main(argv=None) -> int:
               "understates the band when the mean is far from 0)")
     ns = {h: nonstate_sigma(rows["script"], h) for h in HALVES}
     if ns["fit"]["n"]:
-        print(f"\nrel_sigma of the non-model-state part ('script' variant), the value _cuda.py "
+        print(f"\nrel_sigma of the non-model-state part ('script' variant), the value _cuda/runtime.py "
               f"uses: fit {ns['fit']['rms']:.3f} (n={ns['fit']['n']}), holdout "
-              f"{ns['holdout']['rms']:.3f} (worst {ns['holdout']['worst']:+.3f}); _cuda.py has "
+              f"{ns['holdout']['rms']:.3f} (worst {ns['holdout']['worst']:+.3f}); _cuda/runtime.py has "
               f"{_cuda.CALIBRATION.rel_sigma}")
     by_kind = print_by_kind(rows)
     head = {f: groups["none"][f]["holdout"] for f in FIGURES}

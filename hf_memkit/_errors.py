@@ -13,7 +13,7 @@ class HfMemkitError(ValueError):
 class TrainingFailed(RuntimeError):
     """The run itself failed (after planning and setup succeeded): exit code 1.
 
-    Defined here, not in ``_train`` (which re-exports it), so the CLI root can catch it without
+    Defined here, not in ``_run.train`` (which re-exports it), so the CLI root can catch it without
     importing torch."""
 
 

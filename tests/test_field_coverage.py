@@ -2,7 +2,7 @@
 named in a 'not modelled' warning, or irrelevant to a step's device memory (issue 14, item 7).
 
 The fields are enumerated from the installed classes, so a field that a new transformers or TRL
-adds fails here until ``hf_memkit/_fields.py`` places it."""
+adds fails here until ``hf_memkit/_setup/coverage.py`` places it."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from hf_memkit._trainers import TRAINERS
 TINY = LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, vocab_size=500,
                    tie_word_embeddings=False)
-TRAINER_NAMES = ["trainer", "sft", "dpo"]
+TRAINER_NAMES = TRAINERS.names()   # every registered trainer (a contract: a new one is checked)
 
 # A non-default value of every unmodelled field (valid for the field's type).
 NON_DEFAULT = {
@@ -68,7 +68,7 @@ def test_every_installed_field_is_in_exactly_one_class(trainer):
         where = [c for c in CLASSES if f.name in classes[c]]
         if len(where) != 1:
             gaps.append(f"{cls.__name__}.{f.name} is in {' and '.join(where) or 'no class'}: "
-                        "place it once in hf_memkit/_fields.py (UNMODELLED with what it changes, "
+                        "place it once in hf_memkit/_setup/coverage.py (UNMODELLED with what it changes, "
                         "or an IRRELEVANT group with the reason; modelled fields come from the "
                         "registries)")
     assert not gaps, "\n".join(gaps)

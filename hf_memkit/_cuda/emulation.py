@@ -1,7 +1,7 @@
 """Trace what a CUDA target runs, on CPU fake tensors (``emulate_cuda``): CUDA's autocast policy
 (``autocast``), the SDPA kernel CUDA would pick (``sdpa``), and CUDA's fused dropout.
 
-The trace runs on this machine's CPU (``_trace``), where torch takes CPU code paths that allocate
+The trace runs on this machine's CPU (``_trace.step``), where torch takes CPU code paths that allocate
 differently from CUDA (../shared/DESIGN.md, stack facts):
 
 * **SDPA.** ``sdpa_kernel`` follows aten/src/ATen/native/transformers/cuda/sdp_utils.cpp

@@ -1,7 +1,7 @@
 """The allocation and free events of a traced step, for the caching-allocator replay
-(``_allocator``, ``_estimate.allocation``).
+(``_cuda.allocator``, ``_estimate.allocation``).
 
-MemTracker (``_trace``) registers every tensor storage it sees and is called back when one dies.
+MemTracker (``_trace.step``) registers every tensor storage it sees and is called back when one dies.
 Each micro-step has its own tracker, and a tracker registers the storages still alive from the
 previous one (weights, inputs, gradients), so events are keyed by the storage itself: an
 allocation is logged the first time a storage is seen, a free the first time one of the trackers

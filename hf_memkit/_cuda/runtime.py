@@ -1,6 +1,6 @@
 """What CUDA adds on top of live tensor bytes: allocator rounding and segments, the CUDA context
 (by CUDA version and module loading), cuBLAS workspaces and NCCL buffers. (What CUDA's kernels
-allocate is traced: ``_cuda_emulation``.)
+allocate is traced: ``_cuda.emulation``.)
 
 Constants marked FIT are calibrated on the declared fit half of ``shared/anchors`` (see
 ``bench/estimator_gpu_anchors.py``, which reports the other half separately); the rest cite the

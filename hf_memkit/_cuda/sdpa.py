@@ -1,7 +1,7 @@
 """Which SDPA kernel CUDA runs for a call: aten/src/ATen/native/transformers/cuda/sdp_utils.cpp
 (``select_sdp_backend``, ``can_use_flash_attention``, ``can_use_mem_efficient_attention``,
 ``check_cudnn_tensor_shapes``, ``check_cudnn_dropout``, ``priority_order``). A pure function of
-the call's shapes and dtypes and the target (``_cuda_emulation.CudaTarget``), so it is tested
+the call's shapes and dtypes and the target (``_cuda.target.CudaTarget``), so it is tested
 rule by rule without a GPU."""
 
 from __future__ import annotations

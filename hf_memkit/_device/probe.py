@@ -15,7 +15,7 @@ from typing import Any
 import psutil
 
 from .._errors import HfMemkitError
-from . import catalog as _gpu_catalog
+from .catalog import GpuSpec, catalog, lookup
 
 logger = logging.getLogger(__name__)
 
@@ -92,10 +92,10 @@ class DeviceInfo:
 
 def list_devices() -> list[str]:
     """Canonical names of the bundled GPU catalog (aliases are accepted by ``get_device``)."""
-    return sorted(_gpu_catalog.catalog())
+    return sorted(catalog())
 
 
-def _from_spec(spec: _gpu_catalog.GpuSpec, **extra: Any) -> DeviceInfo:
+def _from_spec(spec: GpuSpec, **extra: Any) -> DeviceInfo:
     fields = dict(
         name=spec.name,
         kind="cuda",
@@ -125,7 +125,7 @@ def get_device(name: str, *, count: int = 1) -> DeviceInfo:
         return name
     if str(name).lower() == "cpu":
         return probe_cpu()
-    spec = _gpu_catalog.lookup(str(name))
+    spec = lookup(str(name))
     if spec is None:
         raise HfMemkitError(
             f"unknown GPU `{name}`; known: {', '.join(list_devices())} "
@@ -230,7 +230,7 @@ def _probe_cuda(index: int, count: int) -> DeviceInfo:
     else:
         free, total = _torch_mem_get_info(index, props)
         name, source = str(props.name), "torch.cuda"
-    spec = _gpu_catalog.lookup(name)
+    spec = lookup(name)
     return DeviceInfo(
         name=name,
         kind="cuda",
@@ -257,7 +257,7 @@ def _probe_cuda_without_torch(index: int, count: int, exc: Exception) -> DeviceI
     """torch.cuda cannot describe the device: NVML's name and the catalog entry (its compute
     capability), else the CPU; a warning says which and what is lost."""
     nvml = _nvml_query(index)
-    spec = _gpu_catalog.lookup(nvml["name"]) if nvml and not nvml["mig"] else None
+    spec = lookup(nvml["name"]) if nvml and not nvml["mig"] else None
     what = f"torch.cuda.get_device_properties({index}) raised {type(exc).__name__}: {exc}"
     if spec is None:
         warn_once("cuda_props", f"{what}; describing the CPU instead (NVML and the GPU catalog "

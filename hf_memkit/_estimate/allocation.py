@@ -1,5 +1,5 @@
 """``peak_reserved`` on CUDA: replay the traced step's allocations and frees through the model of
-the caching allocator (``_allocator``), the way a Trainer runs it:
+the caching allocator (``_cuda.allocator``), the way a Trainer runs it:
 
 1. the weights (and the step's inputs) are allocated, then the two cuBLAS workspaces at the
    first matmul;

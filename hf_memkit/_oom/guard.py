@@ -17,7 +17,7 @@ so it can retry *inside* the loop:
   keep the smaller chunk.
 * an OOM in ``optimizer.step()``: the micro-batch does not change what the step needs (the
   activations are freed by then), so it is not halved. The step is put back exactly as before
-  (``_oom_step.StepWatch``: version counters, or a host copy with ``oom_step_backup=True``),
+  (``step.StepWatch``: version counters, or a host copy with ``oom_step_backup=True``),
   memory is freed, foreach kernels are switched off and the step is retried once with the same
   gradients. A partial update without a copy, or a second OOM in the same step, raises
   ``OOMRecoveryError`` rather than continue from a half-applied step.

@@ -342,7 +342,7 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
     ``hooks``: the setup's techniques, ``hook(model, stage=, adapters=, target=)`` on the fake
     (base) model. ``forward_only``: trace only the first micro-step's forward (a lower bound).
 
-    ``target``: a CUDA target to trace as CUDA runs it (``_cuda_emulation``: CUDA's autocast
+    ``target``: a CUDA target to trace as CUDA runs it (``_cuda.emulation``: CUDA's autocast
     policy, SDPA kernel and dropout); None traces this CPU's behaviour.
 
     ``loss="labels"`` is the Trainer's path (the model's own loss from ``labels``);

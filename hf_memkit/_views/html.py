@@ -1,5 +1,5 @@
 """Notebook views (``_repr_html_``) of estimates and plans: the setup, a breakdown bar and the
-verdict, in inline HTML and CSS (no script, nothing external). Text rendering is ``_render``."""
+verdict, in inline HTML and CSS (no script, nothing external). Text rendering is ``_views.text``."""
 
 from __future__ import annotations
 

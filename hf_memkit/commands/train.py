@@ -68,7 +68,7 @@ def memory_log_table(result) -> Table:
 
 
 def summary_table(result) -> Table:
-    # plain-text cells (_render): rich markup would eat the "[plot]" of "hf-memkit[plot]"
+    # plain-text cells (_views.text): rich markup would eat the "[plot]" of "hf-memkit[plot]"
     from .._views.text import add_column, add_row, new_table
 
     t = new_table(f"trained {result.recipe}", show_header=False)
