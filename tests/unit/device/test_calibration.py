@@ -44,8 +44,7 @@ from hf_memkit._run.synthetic import SyntheticTextDataset, tiny_llama_config
 from hf_memkit._units import GiB, MiB
 from hf_memkit.commands import calibrate as calibrate_cmd
 from hf_memkit.commands.main import main
-
-from .conftest import A100_80
+from tests.helpers import A100_80
 
 H100 = "NVIDIA H100 80GB HBM3"
 

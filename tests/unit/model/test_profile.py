@@ -20,8 +20,7 @@ from transformers import (
 
 import hf_memkit as mk
 from hf_memkit._model import list_models
-
-from .conftest import require
+from tests.helpers import require
 
 TINY = {
     "llama-gqa-untied": (LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2,

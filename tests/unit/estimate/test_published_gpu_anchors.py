@@ -25,16 +25,14 @@ move to CUDA's autocast and SDPA kernels only the SDPA part can matter here).
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from tests.helpers import BENCH, STRICT
+
 sys.path.insert(0, str(BENCH))
 
 import _anchors  # noqa: E402  (bench/_anchors.py: the code path the bench uses)
-
-from .conftest import STRICT  # noqa: E402
 
 # one holdout row per model x attention kind; bench figures (err with terms / without any term):
 CASES = [

@@ -10,8 +10,7 @@ import torch
 import hf_memkit as mk
 from hf_memkit._device import catalog as _gpu_catalog
 from hf_memkit._units import GiB, MiB
-
-from .conftest import A100_80, T4, V100_16, FakeGpu
+from tests.helpers import A100_80, T4, V100_16, FakeGpu
 
 
 def test_cpu_probe_describes_this_machine():

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 BENCH = ROOT / "bench"
 SCRIPT = BENCH / "gpu_truth.py"
 sys.path.insert(0, str(BENCH))

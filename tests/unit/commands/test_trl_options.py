@@ -20,9 +20,10 @@ import hf_memkit as mk  # noqa: E402
 from hf_memkit._errors import ConfigError  # noqa: E402
 from hf_memkit._recipe import load_recipe  # noqa: E402
 from hf_memkit.commands.main import main  # noqa: E402
+from tests.helpers import TEST_RECIPES  # noqa: E402
 
-SFT_RECIPE = Path(__file__).parent / "recipes" / "9m_sft_cpu.yaml"
-DPO_RECIPE = Path(__file__).parent / "recipes" / "9m_dpo_cpu.yaml"
+SFT_RECIPE = TEST_RECIPES / "9m_sft_cpu.yaml"
+DPO_RECIPE = TEST_RECIPES / "9m_dpo_cpu.yaml"
 FP32 = ["bf16=false", "gradient_checkpointing=false"]
 
 

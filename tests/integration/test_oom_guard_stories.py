@@ -17,8 +17,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import hf_memkit as mk
 from hf_memkit._run.synthetic import SyntheticTextDataset
-
-from .test_oom_guard import (
+from tests.integration.test_oom_guard import (
     DATA,
     OOM_TEXT,
     MemoryAtStepEnd,

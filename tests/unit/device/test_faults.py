@@ -23,8 +23,7 @@ from hf_memkit._callbacks._readers import CudaReader
 from hf_memkit._device import probe as _device
 from hf_memkit._device import rss as _rss
 from hf_memkit._units import MiB
-
-from .conftest import A100_80, FakeGpu
+from tests.helpers import A100_80, FakeGpu
 
 
 @pytest.fixture(autouse=True)

@@ -7,11 +7,12 @@ the tolerance is DESIGN.md's worst-case bar, 3%."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from tests.helpers import BENCH
+
+sys.path.insert(0, str(BENCH))
 
 import estimator_cpu  # noqa: E402  (bench/estimator_cpu.py: the cases and their code path)
 

@@ -17,8 +17,7 @@ from hf_memkit import HfMemkitError
 from hf_memkit._model.spec import resolve_model
 from hf_memkit._optimizers import OptimizerContext, get_optimizer_profile
 from hf_memkit._setup.setup import normalize_args
-
-from .conftest import require
+from tests.helpers import require
 
 # vocab 509: the embedding and LM head (509 x 128) are not a multiple of torchao's 256 block
 CFG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,

@@ -13,8 +13,7 @@ from hf_memkit._optimizers import (
     get_optimizer_profile,
     supported_optimizers,
 )
-
-from .conftest import require
+from tests.helpers import require
 
 BIG = ParamInfo(1000 * 256, (1000, 256), 4)
 SMALL = ParamInfo(256, (256,), 4)

@@ -14,9 +14,8 @@ from hf_memkit._model.spec import resolve_model
 from hf_memkit._plan import PlanRequest, search_for
 from hf_memkit._setup.setup import normalize_args
 from hf_memkit._units import MiB
-
-from .test_plan import SEQ, TARGET, TINY
-from .test_plan import cpu as _cpu
+from tests.unit.plan.test_plan_training import SEQ, TARGET, TINY
+from tests.unit.plan.test_plan_training import cpu as _cpu
 
 
 def _exhaustive_choice(budget: int):

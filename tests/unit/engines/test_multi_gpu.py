@@ -18,8 +18,7 @@ from hf_memkit._engines import (
     validate_fsdp_config,
 )
 from hf_memkit._units import GiB
-
-from .conftest import require
+from tests.helpers import require
 
 TINY = LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, vocab_size=2000,
@@ -44,9 +43,10 @@ def ds(stage, world, off_opt=False, off_param=False):
 
 def _bench():
     import sys
-    from pathlib import Path
 
-    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    from tests.helpers import BENCH
+
+    bench = str(BENCH)
     if bench not in sys.path:
         sys.path.insert(0, bench)
 
@@ -294,7 +294,7 @@ def test_bad_multi_gpu_input():
 
 
 def test_more_gpus_than_this_machine_has(fake_cuda):
-    from .conftest import A100_80
+    from tests.helpers import A100_80
 
     fake_cuda([A100_80, A100_80])
     with pytest.raises(mk.ConfigError, match="num_gpus=4 but this machine shows 2 GPU"):

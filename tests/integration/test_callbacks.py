@@ -28,8 +28,7 @@ from hf_memkit._run.synthetic import SyntheticTextDataset, tiny_llama_config
 from hf_memkit._units import GiB, MiB
 from hf_memkit.callbacks import MemoryCallback, ThroughputCallback
 from hf_memkit.testing.groundtruth import measure_trainer_peak
-
-from .conftest import A100_80, make_fake_pynvml, require
+from tests.helpers import A100_80, make_fake_pynvml, require
 
 SPEC = {"config": tiny_llama_config(hidden_size=128, num_hidden_layers=2).to_dict(),
         "task": "causal-lm", "seq_len": 256, "steps": 4,

@@ -20,8 +20,7 @@ import hf_memkit as mk
 from hf_memkit import _estimate
 from hf_memkit._units import GiB, MiB
 from hf_memkit.testing.groundtruth import measure_trainer_peak
-
-from .conftest import require
+from tests.helpers import require
 
 LLAMA = LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=3, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=4000, tie_word_embeddings=False)

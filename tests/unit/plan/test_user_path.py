@@ -14,8 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArg
 import hf_memkit as mk
 from hf_memkit._run.synthetic import SyntheticTextDataset
 from hf_memkit._units import GiB
-
-from .conftest import require
+from tests.helpers import require
 
 TINY = LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, vocab_size=2000,
@@ -187,7 +186,7 @@ def test_the_suite_cannot_reach_the_network():
     import socket
     import urllib.request
 
-    from .conftest import NetworkAccessError
+    from tests.helpers import NetworkAccessError
 
     with pytest.raises(NetworkAccessError, match="huggingface.co"):
         urllib.request.urlopen("https://huggingface.co/api/models/gpt2", timeout=5)

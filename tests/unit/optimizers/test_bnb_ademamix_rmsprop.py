@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from hf_memkit._optimizers import OptimizerContext, ParamInfo, get_optimizer_profile
-
-from .conftest import require
-from .test_optimizers import real_state_bytes
+from tests.helpers import require
+from tests.unit.optimizers.test_adamw_bnb_adafactor_sgd import real_state_bytes
 
 BIG = ParamInfo(1000 * 256, (1000, 256), 4)
 ODD = ParamInfo(1000 * 257, (1000, 257), 4)          # 1004 blocks, the last one partial

@@ -18,8 +18,7 @@ from hf_memkit._device.catalog import catalog
 from hf_memkit._run.synthetic import SyntheticTextDataset
 from hf_memkit._units import GiB, MiB
 from hf_memkit.testing.simulate import SimulatedMemoryBudget
-
-from .conftest import require
+from tests.helpers import require
 
 TINY = LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, vocab_size=2000,
@@ -221,7 +220,7 @@ def test_bad_input_is_reported_together():
 
 
 def test_more_gpus_than_exist(fake_cuda):
-    from .conftest import A100_80
+    from tests.helpers import A100_80
 
     fake_cuda([A100_80])
     with pytest.raises(mk.ConfigError, match="num_gpus=2 but this machine shows 1 GPU"):

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from hf_memkit._optimizers import OptimizerContext, ParamInfo, get_optimizer_profile
-
-from .conftest import require
+from tests.helpers import require
 
 BIG = ParamInfo(1000 * 256, (1000, 256), 4)
 MID = ParamInfo(300 * 128, (300, 128), 4)
