@@ -2,7 +2,8 @@
 
 The CPU values are checked against hf_memkit.testing.groundtruth (VmHWM windows in a child process
 started with MALLOC_MMAP_THRESHOLD_=65536), the keys in log_history and in a real TensorBoard
-event file; the CUDA path runs on fakes of the torch.cuda allocator stats and NVML.
+event file; the CUDA path runs on fakes of the torch.cuda allocator stats and NVML. What needs no
+training run is in tests/unit/callbacks/test_memory_and_throughput.py.
 """
 
 from __future__ import annotations
@@ -18,12 +19,10 @@ import types
 import pytest
 import torch
 from transformers import LlamaForCausalLM, Trainer, TrainingArguments
-from transformers.trainer_callback import TrainerState
 
 from hf_memkit._callbacks import memory as memory_mod
 from hf_memkit._callbacks._readers import CudaReader
 from hf_memkit._callbacks.plot import draw_timeline
-from hf_memkit._callbacks.throughput import flops_per_token, flops_per_token_terms
 from hf_memkit._run.synthetic import SyntheticTextDataset, tiny_llama_config
 from hf_memkit._units import GiB, MiB
 from hf_memkit.callbacks import MemoryCallback, ThroughputCallback
@@ -309,42 +308,9 @@ def test_missing_stat_warns_once_and_goes_on(tmp_path, monkeypatch, caplog):
     assert sum("no peak memory statistic" in r.message for r in caplog.records) == 1
 
 
-def test_only_main_process_logs(tmp_path):
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
-    state = TrainerState()
-    state.is_world_process_zero = False
-    cb = MemoryCallback()
-    cb.on_train_begin(args, state, None)
-    logs = {"loss": 1.0}
-    cb.on_log(args, state, None, logs=logs)
-    cb.on_train_end(args, state, None)
-    assert logs == {"loss": 1.0} and not os.path.exists(tmp_path / "memory_report.json")
-
-
 # ----------------------------------------------------------------------------------------------
 # throughput
 # ----------------------------------------------------------------------------------------------
-
-
-def test_flops_formula_full_and_lora():
-    torch.manual_seed(0)
-    cfg = tiny_llama_config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            vocab_size=128)
-    model = LlamaForCausalLM(cfg)
-    t = flops_per_token_terms(model)
-    n = sum(p.numel() for p in model.parameters()) - 128 * 64   # input embedding: a lookup
-    assert t["N"] == n and t["N_trainable"] == n and (t["L"], t["h"]) == (2, 64)
-    mf, hf = flops_per_token(t, 32)
-    assert mf == 6 * n + 12 * 2 * 64 * 32 and hf == mf
-    _, hf_ckpt = flops_per_token(t, 32, checkpointing=True)
-    assert hf_ckpt == mf + 2 * n + 4 * 2 * 64 * 32
-    peft = require("peft")
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    t = flops_per_token_terms(lora)
-    nt = sum(p.numel() for p in lora.parameters() if p.requires_grad)
-    assert t["N_trainable"] == nt and t["N"] == n + nt
-    mf, _ = flops_per_token(t, 32)
-    assert mf == 4 * (n + nt) + 2 * nt + 12 * 2 * 64 * 32
 
 
 def test_throughput_counts_real_tokens_and_mfu(tmp_path):

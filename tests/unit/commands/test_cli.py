@@ -1,4 +1,5 @@
-"""The hf-memkit CLI root and the demo's end-to-end slice (a real Trainer run on CPU)."""
+"""The hf-memkit CLI root: devices, probe, estimate and plan against the API, help, bad input
+(the demo's end-to-end slice, a real Trainer run, is in tests/integration/test_train_recipes.py)."""
 
 from __future__ import annotations
 
@@ -37,22 +38,6 @@ def test_console_script_help_has_examples():
     out = subprocess.run([sys.executable, "-m", "hf_memkit.commands.main", "probe", "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert "Examples:" in out
-
-
-def test_demo_trains_the_tiny_recipe_and_reports_memory(tmp_path, capsys):
-    """`hf-memkit demo` = `hf-memkit train` on the bundled tiny CPU recipe: plan, model, logs, PNG."""
-    out_dir = tmp_path / "out"
-    assert main(["demo", "--steps", "4", "--output-dir", str(out_dir)]) == 0
-    text = capsys.readouterr().out
-    assert "This machine" in text and "hf-memkit plan" in text and "predicted memory" in text
-    assert "memory at each logging step" in text and "loss (first -> last log)" in text
-    assert (out_dir / "model.safetensors").is_file()
-    report = json.loads((out_dir / "memory_report.json").read_text())
-    assert [s["step"] for s in report["steps"]] == [2, 4]      # logging_steps shortened to 2
-    # the run allocates at least AdamW's state (2 x 4 B x params) beyond the weights
-    assert report["summary"]["max_peak_allocated"] > 8 * 869_504
-    assert ((out_dir / "memory_timeline.png").is_file()
-            or not mk._compat.is_matplotlib_available())
 
 
 def test_estimate_command_matches_api(capsys):

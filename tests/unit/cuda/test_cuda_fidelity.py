@@ -3,8 +3,8 @@ _estimate.allocation).
 
 Every expectation is worked out by hand in the test from the CUDA / torch source rule its
 docstring cites, or measured independently: torch's own ``AutocastCUDA`` kernels (registered even
-in this CPU-only build) run on fake CUDA tensors in a child process, and a real forward + backward
-is measured through RSS (DESIGN.md: MALLOC_MMAP_THRESHOLD_ + clear_refs + VmHWM).
+in this CPU-only build) run on fake CUDA tensors in a child process (a real forward + backward
+measured through RSS is in tests/integration/test_forward_backward_measured.py).
 
 Shorthand: B batch, H heads, S sequence length, L traced layers; MiB = 2**20 bytes.
 """
@@ -52,7 +52,7 @@ B16, F32, F16 = torch.bfloat16, torch.float32, torch.float16
 A100, V100, SM86 = CudaTarget((8, 0)), CudaTarget((7, 0)), CudaTarget((8, 6))
 
 # 2 layers, hidden 128, 4 heads of 32, vocab 1000: 651,904 parameters in 21 tensors (worked out
-# in test_forward_backward_stage_has_no_optimizer_state_and_matches_a_real_run)
+# in tests/integration/test_forward_backward_measured.py)
 TINY_LLAMA = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=4, vocab_size=1000)
 
@@ -507,71 +507,6 @@ def test_ddp_estimate_adds_nccl_to_the_context(clean_cuda_env):
     one = mk.estimate_memory(cfg, args, seq_len=128, device="H100-80GB")
     assert two.breakdown["context"] == 600 * MiB + 256 * MiB
     assert one.breakdown["context"] == 600 * MiB
-
-
-# --- 7. stage="forward_backward" against a real run ------------------------------------------------
-
-_FB_CHILD = textwrap.dedent('''
-    import json, sys
-    import torch, transformers
-    from hf_memkit._device.rss import alive_cpu_tensor_bytes
-    from hf_memkit.testing.groundtruth import close_window, open_window
-
-    spec = json.loads(sys.argv[1])
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**spec["config"]))
-    model.train()
-    ids = torch.randint(0, model.config.vocab_size, (spec["batch"], spec["seq"]))
-    peaks = []
-    for _ in range(3):  # the first also makes thread pools and kernel caches (not tensors)
-        model.zero_grad(set_to_none=True)
-        window = open_window(alive_cpu_tensor_bytes())
-        model(input_ids=ids, labels=ids).loss.backward()
-        peaks.append(close_window(window)["peak"])
-    print("@@" + json.dumps({"peaks": peaks,
-                             "params": sum(p.numel() for p in model.parameters())}))
-''')
-
-
-def _measure_forward_backward(config: dict, batch: int, seq: int) -> dict:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
-    env.setdefault("OMP_NUM_THREADS", "2")
-    proc = subprocess.run([sys.executable, "-c", _FB_CHILD,
-                           json.dumps({"config": config, "batch": batch, "seq": seq})],
-                          env=env, capture_output=True, text=True, timeout=300)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][2:])
-
-
-@pytest.mark.slow
-def test_forward_backward_stage_has_no_optimizer_state_and_matches_a_real_run():
-    """``stage="forward_backward"`` is ``model(**batch).loss.backward()`` with no optimizer.
-
-    Parameters by hand (LlamaForCausalLM, V=1000, h=128, I=344, 2 layers, 4 heads = 4 KV heads):
-    embed 1000*128 + per layer (4*128*128 attention + 3*128*344 MLP + 2*128 norms) * 2 + final
-    norm 128 + lm_head 1000*128 = 651,904 in 21 tensors. AdamW (torch/optim/adamw.py
-    ``_init_group``) keeps exp_avg and exp_avg_sq (8 bytes per fp32 parameter) and a 0-dim fp32
-    ``step`` per tensor, which the train estimate carries in every phase and forward_backward
-    does not. The estimate's peak is checked against a real forward + backward measured by RSS
-    (DESIGN.md: MALLOC_MMAP_THRESHOLD_=65536, clear_refs + VmHWM, plus the tensors alive when the
-    window opens; steady-state iterations 2 and 3)."""
-    n_params = 1000 * 128 + 2 * (4 * 128 * 128 + 3 * 128 * 344 + 2 * 128) + 128 + 1000 * 128
-    n_tensors = 1 + 2 * 9 + 1 + 1
-    cfg = LlamaConfig(**TINY_LLAMA)
-    fb = mk.estimate_memory(cfg, {"per_device_train_batch_size": 4}, seq_len=128, device="cpu",
-                            stage="forward_backward")
-    train = mk.estimate_memory(cfg, {"per_device_train_batch_size": 4, "optim": "adamw_torch"},
-                               seq_len=128, device="cpu")
-    assert fb.breakdown["optimizer"] == 0 and fb.peak_phase in ("forward", "backward")
-    assert train.breakdown["optimizer"] == 8 * n_params + 4 * n_tensors
-    assert train.peak_allocated - fb.peak_allocated >= 8 * n_params
-
-    measured = _measure_forward_backward(TINY_LLAMA, batch=4, seq=128)
-    assert measured["params"] == n_params == 651_904
-    steady = max(measured["peaks"][1:])
-    assert fb.peak_allocated == pytest.approx(steady, rel=0.05), (fb.peak_allocated, measured)
 
 
 # --- 8. allocator replay of a step --------------------------------------------------------------------

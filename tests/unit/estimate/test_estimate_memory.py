@@ -1,5 +1,5 @@
-"""estimate_memory: against independent CPU measurements, against hand-computed model states,
-the extrapolation against a full trace, and bad input."""
+"""estimate_memory: against hand-computed model states, the extrapolation against a full trace,
+and bad input (against independent CPU measurements: tests/integration/test_estimate_measured.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
-    BertConfig,
     GPT2Config,
     LlamaConfig,
     OpenAIGPTConfig,
@@ -19,7 +18,6 @@ from transformers import (
 import hf_memkit as mk
 from hf_memkit import _estimate
 from hf_memkit._units import GiB, MiB
-from hf_memkit.testing.groundtruth import measure_trainer_peak
 from tests.helpers import require
 
 LLAMA = LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=3, num_attention_heads=4,
@@ -30,33 +28,6 @@ def est(model=LLAMA, args=None, **kw):
     kw.setdefault("seq_len", 128)
     kw.setdefault("device", "cpu")
     return mk.estimate_memory(model, args or {}, **kw)
-
-
-# --- against an independent measurement (RSS of a real Trainer run in a subprocess) -----------
-
-MEASURED = [
-    ("llama-fp32-accum2-adamw", LLAMA, "causal-lm",
-     dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, optim="adamw_torch"), 256,
-     None),
-    ("gpt2-eager-bnb8bit", GPT2Config(n_embd=128, n_layer=3, n_head=4, vocab_size=4000,
-                                      n_positions=256), "causal-lm",
-     dict(per_device_train_batch_size=4, optim="adamw_bnb_8bit"), 256, "eager"),
-    ("bert-cls-bf16-ckpt-adafactor", BertConfig(hidden_size=128, num_hidden_layers=3,
-                                                num_attention_heads=4, intermediate_size=512,
-                                                vocab_size=4000), "sequence-classification",
-     dict(per_device_train_batch_size=8, optim="adafactor", bf16=True,
-          gradient_checkpointing=True), 128, None),
-]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name,config,task,args,seq,attn", MEASURED, ids=[m[0] for m in MEASURED])
-def test_estimate_matches_measured_cpu_peak(name, config, task, args, seq, attn):
-    predicted = mk.estimate_memory(config, args, seq_len=seq, device="cpu", task=task,
-                                   attn_implementation=attn).peak_allocated
-    measured = measure_trainer_peak({"config": config.to_dict(), "task": task, "args": args,
-                                     "seq_len": seq, "attn_implementation": attn})["peak"]
-    assert predicted == pytest.approx(measured, rel=0.03), (predicted, measured)
 
 
 # --- model states by hand ----------------------------------------------------------------------
