@@ -30,7 +30,7 @@ FP32 = ["bf16=false", "gradient_checkpointing=false"]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    """A local model directory holding only a tiny Llama's config.json (as test_trl's)."""
+    """A local model directory holding only a tiny Llama's config.json (as test_sft_and_dpo's)."""
     d = tmp_path_factory.mktemp("tiny_llama")
     LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, vocab_size=32000,
@@ -63,8 +63,8 @@ def test_estimate_trainer_sft_matches_the_api_and_differs_from_the_plain_trainer
     assert sft["device_used"] == api.device_used
     assert sft["setup"]["trainer"]["options"]["max_length"] == 256
     # the same step through transformers.Trainer: the model's logits and loss, not TRL's fused
-    # head with its fp32 [tokens x 32768] CPU tiles (test_trl: the real SFTTrainer run is the
-    # larger one), so the two estimates differ
+    # head with its fp32 [tokens x 32768] CPU tiles (integration/test_trl_measured.py: the real
+    # SFTTrainer run is the larger one), so the two estimates differ
     assert main(["estimate", model_dir, "--gpu", "cpu", "--seq-len", "256", "--batch", "2",
                  *FP32, "--json"]) == 0
     plain = _json(capsys)

@@ -40,8 +40,8 @@ def _tensors(v):
 
 
 def state_bytes(opt) -> int:
-    """``real_state_bytes`` (tests/test_optimizers.py), reaching into tensor subclasses and the
-    projector objects kept in the state."""
+    """``real_state_bytes`` (test_adamw_bnb_adafactor_sgd.py), reaching into tensor subclasses and
+    the projector objects kept in the state."""
     seen = {}
     for st in opt.state.values():
         for v in st.values():
