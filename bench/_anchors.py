@@ -1,6 +1,7 @@
-"""Shared code of bench/estimator_gpu_anchors.py and tests/test_gpu_anchors.py: load the published
-GPU anchors (shared/anchors/published_gpu_cases.yaml), decide which are usable, and predict the
-figure each one measures. See estimator_gpu_anchors.py's docstring for the model of the gap.
+"""Shared code of bench/estimator_gpu_anchors.py and
+tests/unit/estimate/test_published_gpu_anchors.py: load the published GPU anchors
+(shared/anchors/published_gpu_cases.yaml), decide which are usable, and predict the figure each
+one measures. See estimator_gpu_anchors.py's docstring for the model of the gap.
 
 ``predict(case, reconstruct=False)`` is the estimator's own account: the trace of transformers 5
 code plus the CUDA terms of ``hf_memkit._cuda.runtime`` (cuBLAS workspaces, ``alloc_const``).

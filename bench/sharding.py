@@ -190,7 +190,8 @@ def vs_runs(console: Console, measured_path: str | None) -> list[dict]:
         if offload:
             # one memory on a CPU: CPUOffloadPolicy moves nothing, the run holds what full shard
             # holds (measured: identical). Compare with the same setup's non-offload estimate;
-            # the device-side saving of offload is arithmetic (tests/test_sharding.py), not this.
+            # the device-side saving of offload is arithmetic
+            # (tests/unit/engines/test_multi_gpu.py), not this.
             args["fsdp_config"] = dict(args["fsdp_config"], cpu_offload=False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

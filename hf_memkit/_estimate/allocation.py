@@ -13,10 +13,11 @@ the caching allocator (``_cuda.allocator``), the way a Trainer runs it:
 
 A deep model is traced at 2 and 3 blocks; ``deepen`` builds its full-depth event stream by
 repeating the events the third block adds (checked against the replay of a full-depth trace in
-tests/test_cuda_fidelity.py). Fragmentation is not extrapolated: which cached block a request
-lands in is discrete, and neither a line through two shallow replays nor their ratio transfers
-(off by 0.16x to 4x on bert-base, GPT-2 and an 8-block Llama when we tried). Optimizer state is
-laid out per trainable parameter in the proportion ``_optimizers`` gives for the whole model.
+tests/unit/cuda/test_cuda_fidelity.py). Fragmentation is not extrapolated: which cached block a
+request lands in is discrete, and neither a line through two shallow replays nor their ratio
+transfers (off by 0.16x to 4x on bert-base, GPT-2 and an 8-block Llama when we tried). Optimizer
+state is laid out per trainable parameter in the proportion ``_optimizers`` gives for the whole
+model.
 Not modelled here: sharded engines' own buffers (their states are replayed unsharded) and the
 allocator's memory release when the device is nearly full (it then frees cached segments and
 retries, so reserved can stay below this figure instead of failing).

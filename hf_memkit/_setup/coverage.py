@@ -12,7 +12,7 @@ three classes (DESIGN.md: memory-relevant settings are modelled or named in a wa
   * **irrelevant**: does not change what a training step holds on the device, one reason per
     group (``IRRELEVANT``).
 
-``tests/test_field_coverage.py`` enumerates the installed classes, so a field that a new
+``tests/contracts/test_field_coverage.py`` enumerates the installed classes, so a field that a new
 transformers or TRL adds fails there until it is placed in one class here. Read from
 transformers 5.23 (``training_args.py``, ``trainer.py``) and TRL 1.16 (``sft_config.py``,
 ``sft_trainer.py``, ``dpo_config.py``, ``dpo_trainer.py``, ``trainer/utils.py``).

@@ -1,0 +1,127 @@
+"""bench/gpu_truth.py's whole runs. On a CPU (CI): ``--cpu-smoke``, the same parent/child path with
+shrunk models trained on the CPU, with bitsandbytes, deepspeed and TRL hidden as on the GPU box
+(marked ``slow``). ``gpu``-marked: real cases on a CUDA GPU, the estimate within 10% of what was
+measured. The harness's command line, matrix and tables: tests/unit/bench/test_gpu_truth.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import BENCH
+from tests.unit.bench.test_gpu_truth import (
+    DPO_LORA,
+    GPU_CASES,
+    LIGER,
+    SFT,
+    SFT_OFFLOAD,
+    _run,
+)
+
+sys.path.insert(0, str(BENCH))
+
+import gpu_truth  # noqa: E402  (bench/gpu_truth.py)
+
+_BLOCK = "import sys\nfor _m in {mods!r}:\n    sys.modules[_m] = None  # as if not installed\n"
+
+
+def _smoke(tmp_path: Path, hidden: tuple[str, ...], *only: str):
+    """--cpu-smoke with ``hidden`` modules unimportable in the parent and every child."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_BLOCK.format(mods=hidden))
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    out = tmp_path / "out"
+    args = ["--cpu-smoke", "--out", str(out), "--timeout", "300"]
+    p = _run(*args, *[a for o in only for a in ("--only", o)], env=env, timeout=900)
+    assert p.returncode == 0, p.stdout + p.stderr
+    files = list(out.glob("*.json"))
+    assert len(files) == 1, files
+    return p, json.loads(files[0].read_text())
+
+
+@pytest.mark.slow
+def test_cpu_smoke_runs_whole_cases_without_bnb_deepspeed_trl(tmp_path):
+    fb, lora = "llama-160m.fp32.fwd-bwd.", "qwen2-0.5b.amp_bf16.lora.adamw_torch.sdpa.ckpt."
+    bnb8 = "llama-160m.fp32.adamw_bnb_8bit."
+    p, doc = _smoke(tmp_path, ("bitsandbytes", "deepspeed", "trl"), fb, lora, bnb8, SFT)
+    env = doc["environment"]
+    assert not any(env["importable"][m] for m in ("bitsandbytes", "deepspeed", "trl"))
+    assert env["importable"]["hf_memkit"] and env["importable"]["peft"]
+    runs = {key: next(r for r in doc["runs"] if r["id"].startswith(key))
+            for key in (fb, lora, bnb8, SFT)}
+    assert runs[bnb8]["status"] == "skipped" and "bitsandbytes" in runs[bnb8]["error"]
+    assert runs[SFT]["status"] == "skipped" and runs[SFT]["error"].startswith("needs trl")
+    for key in (fb, lora):
+        r = runs[key]
+        assert r["status"] == "ok", r
+        m = r["measured"]
+        assert {"steady", "step1", "whole_run", "after_build", "device_used"} <= set(m)
+        assert m["steady"]["steps"] == 2 and r["context"]["nvml_source"]
+        assert "error" not in r["estimate"], r["estimate"]  # hf_memkit imports without them
+        assert r["estimate"]["to_dict"]["stage"] == r["case"]["stage"]
+    assert runs[fb]["measured"]["loop"] == gpu_truth.FB_LOOP
+    assert runs[lora]["measured"]["trainable_params"] < runs[lora]["measured"]["total_params"]
+    assert doc["finished"] and "allocated" in doc["summary"]
+
+
+@pytest.mark.slow
+def test_cpu_smoke_trains_through_trl_and_skips_gpu_only_cases(tmp_path):
+    p, doc = _smoke(tmp_path, ("bitsandbytes", "deepspeed"), SFT, DPO_LORA, SFT_OFFLOAD, LIGER)
+    assert doc["environment"]["importable"]["trl"] and doc["environment"]["trl"]
+    runs = {r["id"]: r for r in doc["runs"]}
+    assert set(runs) == {SFT, DPO_LORA, SFT_OFFLOAD, LIGER}
+    for case_id, trainer, cls in ((SFT, "sft", "SFTTrainer"), (DPO_LORA, "dpo", "DPOTrainer")):
+        r = runs[case_id]
+        assert r["status"] == "ok", r
+        m = r["measured"]
+        assert m["trainer_class"] == cls and m["args_class"] == cls.replace("Trainer", "Config")
+        assert m["global_step"] == 3 and m["steady"]["steps"] == 2  # the window callback ran
+        est = r["estimate"]
+        assert "error" not in est, est
+        assert est["to_dict"]["setup"]["trainer"]["name"] == trainer
+        assert est["to_dict"]["setup"]["trainer"]["options"]["max_length"] == 32  # smoke seq_len
+    assert runs[DPO_LORA]["measured"]["trainable_params"] < \
+        runs[DPO_LORA]["measured"]["total_params"]
+    assert runs[SFT_OFFLOAD]["status"] == "skipped" and \
+        "activation_offloading" in runs[SFT_OFFLOAD]["error"]
+    assert runs[LIGER]["status"] == "skipped" and "Triton" in runs[LIGER]["error"]
+    assert "--cpu-smoke cannot run it" in p.stdout
+
+
+@pytest.mark.slow
+def test_cpu_smoke_degrades_without_rich(tmp_path):
+    p, doc = _smoke(tmp_path, ("rich", "bitsandbytes"), "llama-160m.fp32.fwd-bwd.")
+    (run,) = doc["runs"]
+    assert run["status"] == "ok" and run["measured"]["steady"]
+    assert "error" not in run["estimate"], run["estimate"]  # estimate_memory needs no rich
+    assert "median |err|" in p.stdout and "┃" not in p.stdout  # the plain-text table
+
+
+# ---------------------------------------------------------------------------- real GPU
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case_id", GPU_CASES)
+def test_estimate_within_10_percent_of_gpu_measurement(case_id, tmp_path):
+    p = _run("--only", case_id, "--out", str(tmp_path), "--timeout", "300", timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    (path,) = tmp_path.glob("*.json")
+    (rec,) = json.loads(path.read_text())["runs"]
+    assert rec["status"] == "ok", rec.get("error") or rec.get("stderr_tail")
+    est = rec["estimate"]
+    assert "error" not in est, est
+    meas, pred = gpu_truth.measured_values(rec), gpu_truth.predicted_values(rec)
+    band_rel = est["band"][1] / est["device_used"] - 1  # the upper band, relative
+    for k in gpu_truth.METRICS:
+        assert meas[k], f"{k} not measured ({rec['measured'].get('device_used_basis')})"
+        err = pred[k] / meas[k] - 1
+        assert abs(err) <= 0.10, f"{case_id} {k}: predicted {pred[k]}, measured {meas[k]}"
+        assert meas[k] <= pred[k] * (1 + band_rel), \
+            f"{case_id} {k}: measured {meas[k]} above the estimate's band ({band_rel:.1%})"
+    assert meas["device_used"] <= est["band"][1]

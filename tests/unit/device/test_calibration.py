@@ -1,0 +1,365 @@
+"""``hf-memkit calibrate`` and the calibration store (issue 13, item 6), on this CPU machine.
+
+What needs a real GPU (``measure_calibration``'s readings, the ``--check`` Trainer runs in their
+child processes) cannot run here; the store, the CLI's orchestration (with the child processes
+replaced) and the child plumbing (a real child that fails for want of CUDA) do here;
+``MemoryCallback(calibrate=True)`` (a real Trainer on CPU, with the CUDA allocator stats and NVML
+faked) is in tests/integration/test_calibrating_callback.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+import hf_memkit as mk
+from hf_memkit import HfMemkitError
+from hf_memkit._cuda import runtime as _cuda
+from hf_memkit._device import calibration as calmod
+from hf_memkit._device import measure as measure_mod
+from hf_memkit._device.calibration import (
+    Calibration,
+    add_residual,
+    calibration_dir,
+    calibration_key,
+    find_calibration,
+    load_calibration,
+    record_residual,
+    save_calibration,
+)
+from hf_memkit._device.measure import measure_calibration, reference_config
+from hf_memkit._units import GiB, MiB
+from hf_memkit.commands import calibrate as calibrate_cmd
+from hf_memkit.commands.main import main
+from tests.helpers import A100_80
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_MEMKIT_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "calibration"
+
+
+def make_cal(**kw) -> Calibration:
+    d = dict(gpu=H100, driver="550.54.15", torch="2.5.1+cu124", cuda="12.4",
+             context=520 * MiB, context_at_init=310 * MiB, cublas_workspace=2 * (32 * MiB + 128 * 1024),
+             reserved_over_allocated=1.07, created="2025-01-02T03:04:05+00:00")
+    d.update(kw)
+    return Calibration(**d)
+
+
+# ----------------------------------------------------------------------------------------------
+# The CLI on a machine without CUDA
+# ----------------------------------------------------------------------------------------------
+
+
+def test_calibrate_without_cuda_exits_2(capsys):
+    for argv in (["calibrate"], ["calibrate", "--check", "--json"], ["calibrate", "--device", "1"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "hf-memkit calibrate: error: calibration needs a CUDA GPU" in err
+        assert "catalog GPU work without one" in err and "--gpu A100-80GB" in err
+
+
+def test_calibrate_console_entry_exits_2_without_cuda(tmp_path):
+    env = dict(os.environ, HF_MEMKIT_CACHE=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "hf_memkit.commands.main", "calibrate"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2
+    assert "calibration needs a CUDA GPU" in proc.stderr
+    assert not (tmp_path / "calibration").exists()          # nothing stored
+
+
+def test_root_help_and_command_help_name_calibrate(capsys):
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--help"])
+    out = capsys.readouterr().out
+    assert "--check" in out and "--device" in out and "Examples:" in out
+    assert main([]) == 2
+    assert "hf-memkit calibrate" in capsys.readouterr().out
+
+
+def test_measure_calibration_needs_cuda():
+    with pytest.raises(HfMemkitError, match="calibration needs a CUDA GPU"):
+        measure_calibration(0)
+
+
+def test_worker_child_reports_bad_input_as_hfmemkit_error(cache):
+    """The real child process: on this machine measure_calibration fails for want of CUDA, and
+    the parent raises that message (exit 2 in the CLI), not a traceback."""
+    with pytest.raises(HfMemkitError, match="calibration needs a CUDA GPU"):
+        calibrate_cmd.run_worker("measure", {}, 0)
+
+
+def test_visible_entry_maps_the_index_through_cuda_visible_devices(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert calibrate_cmd.visible_entry(1) == "1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 5")
+    assert calibrate_cmd.visible_entry(0) == "3" and calibrate_cmd.visible_entry(1) == "5"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaaa,GPU-bbbb")
+    assert calibrate_cmd.visible_entry(1) == "GPU-bbbb"
+
+
+# ----------------------------------------------------------------------------------------------
+# The CLI's orchestration on fakes: the two child processes replaced by canned results
+# ----------------------------------------------------------------------------------------------
+
+
+def _fake_worker(measured: Calibration, calls: list):
+    def run(kind, payload, index):
+        calls.append((kind, payload.get("name"), index))
+        if kind == "measure":
+            return {"calibration": measured.to_dict()}
+        n = len(calls)
+        return {"name": payload["name"], "fields": {}, "seq_len": payload["seq_len"],
+                "predicted": {"allocated": 3 * GiB, "reserved": 3 * GiB + 200 * MiB,
+                              "device_used": 4 * GiB},
+                "measured": {"allocated": 3 * GiB, "reserved": 3 * GiB + 100 * MiB,
+                             "device_used": 4 * GiB + n * 64 * MiB}}
+    return run
+
+
+def test_calibrate_check_stores_measurement_and_residuals(cache, fake_cuda, monkeypatch, capsys):
+    fake_cuda([A100_80, A100_80])
+    measured = make_cal(gpu=A100_80.name, created="2025-03-01T00:00:00+00:00")
+    # residuals of the same GPU/driver/torch/CUDA carry over; another driver's do not
+    save_calibration(make_cal(gpu=A100_80.name, residuals=(0.01, -0.02),
+                              created="2025-02-01T00:00:00+00:00"))
+    save_calibration(make_cal(gpu=A100_80.name, driver="535.0", residuals=(0.5,)))
+    calls: list = []
+    monkeypatch.setattr(calibrate_cmd, "run_worker", _fake_worker(measured, calls))
+    assert main(["calibrate", "--device", "1", "--check", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [c[0] for c in calls] == ["measure"] + ["check"] * len(calibrate_cmd.CHECKS)
+    assert {c[2] for c in calls} == {1}
+    new = [(4 * GiB + n * 64 * MiB) / (4 * GiB) - 1 for n in (2, 3, 4)]
+    stored = find_calibration(A100_80.name, "12.4", driver="550.54.15")
+    assert stored.residuals == pytest.approx((0.01, -0.02, *new))
+    assert stored.context == measured.context and stored.created == measured.created
+    assert out["path"] == str(stored.path)
+    assert [r["residual"] for r in out["checks"]] == pytest.approx(new)
+    assert out["calibration"]["residuals"] == pytest.approx(list(stored.residuals))
+
+
+def test_calibrate_table_output(cache, fake_cuda, monkeypatch, capsys):
+    fake_cuda([A100_80])
+    monkeypatch.setattr(calibrate_cmd, "run_worker", _fake_worker(make_cal(gpu=A100_80.name), []))
+    assert main(["calibrate"]) == 0
+    out = capsys.readouterr().out
+    assert "520.00 MiB" in out and "310.00 MiB" in out and "1.070" in out
+    assert "stored in" in out and str(cache) in out.replace("\n", "")
+    assert "Predicted / measured" not in out                  # no --check, no check table
+
+
+def test_calibrate_bad_device_index_exits_2(fake_cuda, capsys):
+    fake_cuda([A100_80])
+    assert main(["calibrate", "--device", "3"]) == 2
+    assert "--device 3 does not exist" in capsys.readouterr().err
+
+
+def test_check_setups_are_valid_estimator_inputs():
+    """Each --check setup reads as the setup it names, with the TrainingArguments field names of
+    the installed transformers (checkpointing under its current name); the reference model is
+    the 2-layer fp32 Llama the docs describe."""
+    from hf_memkit._setup.setup import normalize_args
+
+    config = reference_config()
+    assert config.num_hidden_layers == 2 and config.vocab_size == 32000
+    assert config.hidden_size == 2048 and config.dtype == torch.float32
+    for setup in calibrate_cmd.CHECKS:
+        for bf16 in (True, False):
+            read = normalize_args(calibrate_cmd.check_fields(setup, bf16=bf16))
+            assert read.checkpointing == setup.checkpointing
+            assert read.amp == (("bf16" if bf16 else "fp16") if setup.amp else None)
+            assert (read.micro_batch, read.optim) == (setup.batch, setup.optim)
+
+
+def test_reference_step_fits_the_free_memory_asked_for():
+    """The largest setup the GPU runs (the reference step, fp32 AdamW, batch 4 x 512) predicts
+    below the free memory measure_calibration requires."""
+    import hf_memkit as mk
+
+    est = mk.estimate_memory(reference_config(), {"per_device_train_batch_size": 4,
+                                                  "optim": "adamw_torch"},
+                             seq_len=measure_mod.REFERENCE_SEQ_LEN, device="H100-80GB",
+                             task="causal-lm")
+    assert 3 * GiB < est.device_used < measure_mod.REFERENCE_MIN_FREE
+
+
+# ----------------------------------------------------------------------------------------------
+# The store
+# ----------------------------------------------------------------------------------------------
+
+
+def test_round_trip_through_the_cache(cache):
+    cal = make_cal(residuals=(0.01, -0.03))
+    path = save_calibration(cal)
+    assert path.parent == cache and path.suffix == ".json"
+    assert json.loads(path.read_text())["context"] == 520 * MiB
+    found = find_calibration(H100.lower(), "12.4")            # name: case-insensitive
+    assert found == cal and found.path == path
+    assert load_calibration(path) == cal
+    assert Calibration.from_dict(json.loads(json.dumps(cal.to_dict()))) == cal
+    assert [p.name for p in cache.iterdir()] == [path.name]  # no temporary file left behind
+
+
+def test_save_fills_in_created_and_overwrites_its_key(cache):
+    p1 = save_calibration(make_cal(created=""))
+    created = load_calibration(p1).created
+    assert created and calmod._timestamp(created) is not None
+    p2 = save_calibration(make_cal(context=1))
+    assert p1 == p2 and load_calibration(p2).context == 1
+
+
+def test_find_matches_gpu_and_cuda_and_newest_wins(cache):
+    old = make_cal(driver="535.104.05", created="2024-06-01T00:00:00+00:00")
+    new = make_cal(driver="550.54.15", created="2025-06-01T00:00:00+00:00")
+    other_torch = make_cal(torch="2.4.0+cu121", created="2023-01-01T00:00:00+00:00")
+    for c in (new, old, other_torch):
+        save_calibration(c)
+    assert find_calibration(H100, "12.4") == new
+    assert find_calibration(H100, "12.4", driver="535.104.05") == old
+    assert find_calibration(H100, "12.4", torch_version="2.4.0+cu121") == other_torch
+    assert find_calibration(H100, "12.4", driver="999.0") is None
+    assert find_calibration(H100, "11.8") is None                  # another CUDA
+    assert find_calibration(H100, None) is None
+    assert find_calibration("NVIDIA H100", "12.4") is None          # names match exactly
+    assert find_calibration("NVIDIA H100 PCIe", "12.4") is None
+
+
+def test_find_without_a_cache_dir_is_none(cache):
+    assert not cache.exists()
+    assert find_calibration(H100, "12.4") is None
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("{not json", "Expecting property name"),
+    ('{"gpu": "NVIDIA H100 80GB HBM3"}', "missing field(s): driver, torch, cuda, context"),
+    (None, "`context` must be a non-negative integer of bytes, got 'lots'"),
+    ("[1, 2]", "expected a JSON object"),
+])
+def test_corrupt_file_gives_a_clear_error(cache, text, problem):
+    path = save_calibration(make_cal())
+    if text is None:
+        d = json.loads(path.read_text())
+        d["context"] = "lots"
+        text = json.dumps(d)
+    path.write_text(text)
+    for call in (lambda: find_calibration(H100, "12.4"), lambda: load_calibration(path)):
+        with pytest.raises(HfMemkitError) as e:
+            call()
+        msg = str(e.value)
+        assert str(path) in msg and "re-run `hf-memkit calibrate`" in msg
+        assert problem in msg
+
+
+def test_calibration_dir_default_locations(monkeypatch, tmp_path):
+    monkeypatch.delenv("HF_MEMKIT_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert calibration_dir() == tmp_path / "xdg" / "hf_memkit" / "calibration"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert calibration_dir() == tmp_path / "home" / ".cache" / "hf_memkit" / "calibration"
+    monkeypatch.setenv("HF_MEMKIT_CACHE", str(tmp_path / "mine"))
+    assert calibration_dir() == tmp_path / "mine" / "calibration"
+
+
+def test_calibration_key_is_file_name_safe_and_distinct():
+    keys = {calibration_key(H100, "550.54.15", "2.5.1+cu124", "12.4"),
+            calibration_key(H100, "535.104.05", "2.5.1+cu124", "12.4"),
+            calibration_key(H100, "550.54.15", "2.5.1+cu121", "12.4"),
+            calibration_key(H100, "550.54.15", "2.5.1+cu124", "12.1"),
+            calibration_key("NVIDIA A100-SXM4-80GB", "550.54.15", "2.5.1+cu124", "12.4"),
+            calibration_key("../weird/GPU name:*?", None, "2.5.1", None)}
+    assert len(keys) == 6
+    assert all(re.fullmatch(r"[a-z0-9._-]+", k) and ".." not in k for k in keys)
+
+
+def test_invalid_values_are_rejected_together():
+    with pytest.raises(HfMemkitError) as e:
+        make_cal(context=-1, reserved_over_allocated=float("nan"), gpu="")
+    msg = str(e.value)
+    assert "`context`" in msg and "`reserved_over_allocated`" in msg and "`gpu`" in msg
+
+
+def test_add_residual_keeps_the_newest_50_and_rel_sigma():
+    cal = make_cal()
+    assert cal.rel_sigma is None
+    cal = add_residual(cal, 110, 100)
+    cal = add_residual(cal, 80, 100)
+    assert cal.residuals == pytest.approx((0.1, -0.2)) and cal.rel_sigma is None
+    cal3 = add_residual(cal, 105, 100)
+    assert cal3.rel_sigma == pytest.approx(math.sqrt((0.01 + 0.04 + 0.0025) / 3))
+    assert cal.residuals == pytest.approx((0.1, -0.2))                  # a new object
+    for i in range(60):
+        cal3 = add_residual(cal3, 1000 + i, 1000)
+    assert len(cal3.residuals) == 50
+    assert cal3.residuals[-1] == pytest.approx(0.059)                     # newest last
+    assert cal3.residuals[0] == pytest.approx(0.010)                      # the 11th of 60
+    with pytest.raises(HfMemkitError, match="predicted"):
+        add_residual(cal, 100, 0)
+    with pytest.raises(HfMemkitError, match="measured"):
+        add_residual(cal, -5, 100)
+
+
+def test_record_residual_appends_to_the_matching_file(cache):
+    assert record_residual(110, 100, gpu=H100, cuda="12.4") is None     # nothing stored yet
+    path = save_calibration(make_cal())
+    assert record_residual(90, 100, gpu=H100, cuda="12.4", driver="550.54.15",
+                           torch_version="2.5.1+cu124") == path
+    assert load_calibration(path).residuals == pytest.approx((-0.1,))
+
+
+# -- a calibration changes the estimate ----------------------------------------------------------
+
+
+def _probed_a100():
+    """A100 as probe_device would describe it (the catalog entry names a model of GPU, not a
+    measured card, so only a probed device takes a calibration)."""
+    return mk.get_device("A100-80GB").replace(name="NVIDIA A100-SXM4-80GB", source="nvml",
+                                               driver_version="550.54.15")
+
+
+def test_a_stored_calibration_changes_the_estimate(cache):
+    dev = _probed_a100()
+    tiny = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=4, vocab_size=1000)
+    args = dict(per_device_train_batch_size=2)
+
+    def est():
+        return mk.estimate_memory(tiny, args, seq_len=64, device=dev, cuda_version="12.8")
+
+    before = est()
+    assert not any("calibration" in n for n in before.notes)
+    ctx, ws = 3 * GiB, 64 * MiB
+    path = save_calibration(make_cal(gpu=dev.name, driver=dev.driver_version,
+                                     torch=torch.__version__, cuda="12.8", context=ctx,
+                                     cublas_workspace=ws, residuals=(0.04, -0.05, 0.06)))
+    after = est()
+    # the measured context replaces the CUDA-version default, the measured workspaces the
+    # CublasHandlePool rule; everything else is the same trace
+    assert after.breakdown["context"] == ctx
+    assert before.breakdown["context"] == _cuda.cuda_runtime("12.8").context
+    ws_before = 2 * (_cuda.cublas_workspace(dev.compute_capability) // 2)
+    assert after.peak_allocated - before.peak_allocated == ws - ws_before
+    assert after.device_used - before.device_used == (
+        ctx - before.breakdown["context"]) + (after.peak_reserved - before.peak_reserved)
+    # the band comes from the residuals: RMS of (0.04, -0.05, 0.06)
+    rms = ((0.04 ** 2 + 0.05 ** 2 + 0.06 ** 2) / 3) ** 0.5
+    assert after.uncertainty == pytest.approx(rms)
+    assert any(str(path) in n for n in after.notes)
+    # another CUDA version or a catalog device does not take it
+    assert mk.estimate_memory(tiny, args, seq_len=64, device=dev, cuda_version="13.0"
+                              ).breakdown["context"] != ctx
+    assert mk.estimate_memory(tiny, args, seq_len=64, device="A100-80GB", cuda_version="12.8"
+                              ).breakdown["context"] != ctx

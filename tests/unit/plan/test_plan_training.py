@@ -1,0 +1,214 @@
+"""plan_training / auto_training_args: choices per GPU, the ladder under shrinking budgets,
+overrides, round trips, impossible budgets and bad input. Plans run for real under a simulated
+budget and LoRA/QLoRA plans trained: tests/integration/test_plans_train.py."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import LlamaConfig, OpenAIGPTConfig
+
+import hf_memkit as mk
+from hf_memkit._device.catalog import catalog
+from hf_memkit._units import GiB, MiB
+from tests.helpers import require
+
+TINY = LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, vocab_size=2000,
+                   tie_word_embeddings=False, attention_dropout=0.0)
+SEQ, TARGET = 128, 16
+
+
+def cpu(total: int):
+    return mk.get_device("cpu").replace(total_memory=total, free_memory=total)
+
+
+def plan(total=None, **kw):
+    kw.setdefault("seq_len", SEQ)
+    kw.setdefault("target_batch_size", TARGET)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return mk.plan_training(TINY, device=kw.pop("device", None) or cpu(total or 8 * GiB), **kw)
+
+
+@pytest.mark.parametrize("name", sorted(catalog()))
+def test_precision_choice_per_catalog_gpu(name):
+    p = mk.plan_training("gpt2", seq_len=256, target_batch_size=8, device=name)
+    ta = p.training_args_kwargs
+    spec = catalog()[name]
+    if spec.compute_capability >= (8, 0):
+        assert ta["bf16"] and ta["tf32"] and not ta["fp16"]
+    else:  # Volta and Turing: fp16 AMP with loss scaling, no TF32
+        assert ta["fp16"] and not ta["bf16"] and "tf32" not in ta
+    assert ta["per_device_train_batch_size"] * ta["gradient_accumulation_steps"] == 8
+
+
+def test_cpu_plan_is_fp32_and_uses_cpu():
+    ta = plan().training_args_kwargs
+    assert not ta["bf16"] and not ta["fp16"] and ta["use_cpu"]
+    assert ta["dataloader_pin_memory"] is False
+
+
+def test_ample_memory_enables_no_speed_costing_saver():
+    p = plan(64 * GiB)
+    c = p.chosen
+    assert (c.method, c.checkpointing, c.optim) == ("full", False, "adamw_torch_fused")
+    assert c.micro_batch == TARGET and c.grad_accum == 1
+
+
+def _full_need(**kw) -> int:
+    return mk.estimate_memory(TINY, dict(per_device_train_batch_size=TARGET,
+                                         optim="adamw_torch_fused", **kw),
+                              seq_len=SEQ, device="cpu").device_used
+
+
+def test_ladder_climbs_as_memory_shrinks():
+    need = _full_need()
+    roomy = plan(max_memory=need + 1 * MiB).chosen
+    tighter = plan(max_memory=int(need * 0.6)).chosen
+    assert roomy.micro_batch == TARGET and not roomy.checkpointing
+    assert tighter.micro_batch < TARGET or tighter.checkpointing or tighter.optim != \
+        "adamw_torch_fused"
+    assert tighter.device_used <= int(need * 0.6)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fraction=st.floats(min_value=0.25, max_value=1.5), target=st.sampled_from([4, 6, 16]))
+def test_property_plan_fits_and_keeps_effective_batch(fraction, target):
+    budget = int(_full_need() * fraction)
+    try:
+        p = plan(max_memory=budget, target_batch_size=target)
+    except mk.HfMemkitError as exc:
+        assert "needs at least" in str(exc)
+        return
+    c = p.chosen
+    assert c.device_used <= budget == p.budget
+    assert c.micro_batch * c.grad_accum * p.num_gpus == target
+    assert target % c.micro_batch == 0
+
+
+def test_auto_fallback_to_lora_only_when_no_full_setup_fits():
+    require("peft")
+    states = mk.profile_model(TINY).total_params * 4 * 3  # fp32 weights + grads + one moment
+    p = plan(max_memory=int(states * 0.9))
+    assert p.chosen.method in ("lora", "qlora")
+    assert any("falling back to LoRA" in n for n in p.notes)
+
+
+def test_overrides_are_honoured_and_warn_when_they_do_not_fit(tmp_path):
+    p = plan(max_memory=int(_full_need() * 0.5))
+    args = p.to_training_args(output_dir=str(tmp_path), learning_rate=1e-5)
+    assert args.learning_rate == 1e-5
+    assert args.per_device_train_batch_size == p.chosen.micro_batch
+    with pytest.warns(UserWarning, match="over the budget"):
+        big = p.to_training_args(output_dir=str(tmp_path), per_device_train_batch_size=TARGET,
+                                 gradient_accumulation_steps=1)
+    assert big.per_device_train_batch_size == TARGET
+
+
+def test_plan_round_trips_through_json():
+    p = plan(max_memory=int(_full_need() * 0.5))
+    again = mk.Plan.from_json(p.to_json())
+    assert again.to_dict() == p.to_dict()
+    assert again.chosen.label() == p.chosen.label()
+    assert again.estimate.device_used == p.estimate.device_used
+    json.loads(p.to_json())  # plain JSON
+
+
+def test_plans_are_deterministic():
+    a, b = plan(max_memory=int(_full_need() * 0.5)), plan(max_memory=int(_full_need() * 0.5))
+    assert a.to_dict() == b.to_dict()
+
+
+def test_impossible_budget_names_smallest_setup():
+    with pytest.raises(mk.HfMemkitError) as e:
+        plan(max_memory="1MiB")
+    msg = str(e.value)
+    assert "needs at least" in msg and "micro-batch 1" in msg and "1.00 MiB usable" in msg
+    assert "shorter seq_len" in msg
+
+
+def test_model_without_checkpointing_support_is_planned_without_it():
+    cfg = OpenAIGPTConfig(n_embd=64, n_layer=2, n_head=4, vocab_size=500, n_positions=128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        need = mk.estimate_memory(cfg, dict(per_device_train_batch_size=8), seq_len=128,
+                                  device="cpu").device_used
+        p = mk.plan_training(cfg, seq_len=128, target_batch_size=8, max_memory=int(need * 0.7),
+                             device="cpu", method="full")
+    assert not any(c.checkpointing for c in p.candidates)
+    assert any("does not support gradient checkpointing" in n for n in p.notes)
+
+
+def test_bad_input_is_reported_together():
+    with pytest.raises(mk.ConfigError) as e:
+        mk.plan_training(TINY, seq_len=0, target_batch_size=10, num_gpus=4, method="dora",
+                         device="A100-80GB")
+    msg = str(e.value)
+    assert "method `dora`" in msg and "seq_len" in msg
+    assert "not divisible by 4 ranks; nearest valid targets: 8, 12" in msg
+
+
+def test_more_gpus_than_exist(fake_cuda):
+    from tests.helpers import A100_80
+
+    fake_cuda([A100_80])
+    with pytest.raises(mk.ConfigError, match="num_gpus=2 but this machine shows 1 GPU"):
+        mk.plan_training(TINY, seq_len=SEQ, target_batch_size=8, num_gpus=2)
+
+
+def test_max_memory_string_and_headroom():
+    assert plan(max_memory="3GiB").budget == 3 * GiB
+    assert plan(10 * GiB, headroom=0.2).budget == 8 * GiB
+
+
+def test_reverse_queries_are_monotone_and_fit():
+    dev = cpu(2 * GiB)
+    args = dict(optim="adamw_torch_fused")
+    b = mk.max_batch_size(TINY, args, seq_len=SEQ, device=dev, headroom=0.0)
+    assert b >= 1
+    # the upper band (centre + margin) is what must fit
+    fits = mk.estimate_memory(TINY, dict(args, per_device_train_batch_size=b), seq_len=SEQ,
+                              device=dev).upper
+    over = mk.estimate_memory(TINY, dict(args, per_device_train_batch_size=b + 1), seq_len=SEQ,
+                              device=dev).upper
+    assert fits <= 2 * GiB < over
+    s = mk.max_seq_len(TINY, dict(args, per_device_train_batch_size=4), device=dev, headroom=0.0,
+                       limit=1 << 16)
+    assert s % 64 == 0 and s >= 64
+
+
+def test_auto_training_args(tmp_path):
+    args = mk.auto_training_args(TINY, seq_len=SEQ, target_batch_size=TARGET,
+                                 device=cpu(64 * GiB), output_dir=str(tmp_path))
+    assert args.per_device_train_batch_size * args.gradient_accumulation_steps == TARGET
+    assert args.output_dir == str(tmp_path)
+
+
+def test_explain_mentions_choice_and_rejections():
+    text = plan(max_memory=int(_full_need() * 0.5)).explain()
+    assert "CHOSEN" in text and "budget" in text and "attention" in text
+
+
+@pytest.mark.slow
+def test_lora_ladder_reaches_the_8bit_base_before_giving_up():
+    require("peft")
+    require("bitsandbytes")
+    start = plan(method="lora", max_memory=64 * GiB)
+    assert start.chosen.method == "lora"
+    # the smallest LoRA (full-precision base) setup, then budgets just below it
+    need = min(c.device_used for c in start.candidates if c.method == "lora" and c.estimate)
+    lora_min = mk.estimate_memory(TINY, dict(per_device_train_batch_size=1,
+                                             gradient_accumulation_steps=TARGET,
+                                             activation_checkpointing=True, optim="adafactor"),
+                                  seq_len=SEQ, device="cpu",
+                                  peft_config=start.peft_config).device_used
+    assert lora_min <= need
+    p = plan(method="lora", max_memory=lora_min - 1)
+    assert p.chosen.method == "lora-8bit"
+    assert p.model_kwargs["quantization_config"].load_in_8bit
+    assert p.chosen.device_used < lora_min

@@ -1,0 +1,72 @@
+"""The planner's shortcuts never change its answer: lower bounds (model states, the micro-batch
+line, forward-only probes) and the smallest-micro-batch rejection pick the same setup as
+estimating every candidate exactly."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+import hf_memkit as mk
+from hf_memkit._estimate import TraceCache, estimate_for
+from hf_memkit._model.spec import resolve_model
+from hf_memkit._plan import PlanRequest, search_for
+from hf_memkit._setup.setup import normalize_args
+from hf_memkit._units import MiB
+from tests.unit.plan.test_plan_training import SEQ, TARGET, TINY
+from tests.unit.plan.test_plan_training import cpu as _cpu
+
+
+def _exhaustive_choice(budget: int):
+    """The fastest candidate whose exact estimate fits, in ladder order, without shortcuts."""
+    req = PlanRequest(TINY, SEQ, TARGET, _cpu(budget), max_memory=budget, method="full")
+    s, cands = search_for(req)
+    for c in cands:
+        s.price(c)
+    fitting = [c for c in cands if s.estimate(c).device_used <= budget]
+    return min(fitting, key=lambda c: c.rel_time) if fitting else None
+
+
+@pytest.mark.parametrize("budget_mib", [200, 60, 40, 30, 20, 14, 11, 9])
+def test_plan_matches_an_exhaustive_exact_search(budget_mib):
+    budget = budget_mib * MiB
+    best = _exhaustive_choice(budget)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if best is None:
+            with pytest.raises(mk.HfMemkitError, match="needs at least"):
+                mk.plan_training(TINY, seq_len=SEQ, target_batch_size=TARGET,
+                                 device=_cpu(budget), max_memory=budget, method="full")
+            return
+        p = mk.plan_training(TINY, seq_len=SEQ, target_batch_size=TARGET, device=_cpu(budget),
+                             max_memory=budget, method="full")
+    c = p.chosen
+    assert (c.optim, c.micro_batch, c.techniques, c.precision) == (
+        best.optim, best.micro_batch, best.techniques, best.precision)
+    assert c.device_used <= budget
+    # every rejected candidate was rejected on a bound that is really above the budget
+    for r in p.candidates:
+        if r.estimate is not None and not r.fits:
+            assert r.device_used > budget or "host RAM" in r.reason
+
+
+@pytest.mark.parametrize("args", [
+    {"per_device_train_batch_size": 4},
+    {"per_device_train_batch_size": 4, "activation_checkpointing": True},
+    {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, "optim": "adafactor"},
+])
+def test_forward_probe_bounds_the_step_from_below(args):
+    spec = resolve_model(TINY)
+    dev = mk.get_device("cpu")
+    setup = normalize_args(args)
+    cache = TraceCache()
+    probe = estimate_for(spec, setup, dev, seq_len=SEQ, cache=cache, probe=True)
+    exact = estimate_for(spec, setup, dev, seq_len=SEQ)
+    assert probe.lower_bound and not exact.lower_bound
+    assert probe.device_used <= exact.device_used
+    assert probe.peak_phase in ("forward", "optimizer step")
+    # with the full trace cached, the probe is the exact estimate
+    estimate_for(spec, setup, dev, seq_len=SEQ, cache=cache)
+    again = estimate_for(spec, setup, dev, seq_len=SEQ, cache=cache, probe=True)
+    assert not again.lower_bound and again.device_used == exact.device_used
