@@ -1,8 +1,8 @@
 """``hf-memkit train`` and ``hf-memkit demo``: a recipe planned, built and trained for real.
 
-* ``train``: ``Recipe`` -> ``Plan`` -> model -> trainer + callbacks -> ``TrainResult``;
+* ``train``: ``Recipe`` -> ``Plan`` -> model -> the trainer its registry entry builds
+  (``TrainerKind.build``) + callbacks -> ``TrainResult``;
 * ``data``: the recipe's rows (synthetic, text or JSONL) and its tokenizer;
-* ``trl``: the data TRL's trainers take (a word-level tokenizer, preference pairs);
 * ``stop``: a run stopped by Ctrl-C or an error keeps what exists;
 * ``demo``: the README's end-to-end slice;
 * ``synthetic``: synthetic data and tiny models (the demo, tests and benchmarks train on them).

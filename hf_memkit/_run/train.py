@@ -1,11 +1,13 @@
-"""``hf-memkit train RECIPE``: plan, build, prepare and train a recipe through ``transformers.Trainer``.
+"""``hf-memkit train RECIPE``: plan, build, prepare and train a recipe through the trainer it names.
 
 Data flow: ``Recipe`` -> ``plan_training`` -> ``Plan`` -> model (from the config, random init
 unless the model directory holds weights; QLoRA goes through ``save_pretrained`` /
 ``from_pretrained(quantization_config=...)`` because ``from_config`` rejects quantization) ->
-``Plan.prepare`` -> dataset (synthetic, or a local text / JSON-lines file and a local tokenizer)
--> ``Trainer`` (or ``OOMGuardTrainer``) with ``MemoryCallback`` fed the plan's prediction and
-``ThroughputCallback`` -> ``TrainResult`` (data; the CLI renders it).
+``Plan.prepare`` -> dataset (``data``: synthetic, or a local text / JSON-lines file and a local
+tokenizer) -> the trainer the recipe's ``trainer:`` entry builds (``TrainerKind.build``:
+``Trainer`` or ``OOMGuardTrainer``, TRL's ``SFTTrainer`` / ``DPOTrainer``) with
+``MemoryCallback`` fed the plan's prediction and ``ThroughputCallback`` -> ``TrainResult`` (data;
+the CLI renders it).
 
 Bad input raises ``ConfigError`` (exit 2); an exception while the model trains raises
 ``TrainingFailed`` (exit 1).
