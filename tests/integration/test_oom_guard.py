@@ -66,16 +66,29 @@ class GuardTrainer(_Recorder, OOMGuardTrainer):
 
 
 class MemoryAtStepEnd(TrainerCallback):
-    """Tensor bytes alive after each step, relative to train begin (other runs' tensors cancel)."""
+    """Tensor bytes alive after each step, relative to train begin (other runs' tensors cancel).
+
+    The tensors alive at train begin are held until train end: what earlier tests left alive
+    (an RNG state a checkpointed step saved, kept by an old traceback) may otherwise be freed in
+    the middle of this run, and that would read as this run holding less."""
 
     def __init__(self):
         self.bytes = {}
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.held = _alive_tensors()
         self.begin = _alive_bytes()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.bytes[state.global_step] = _alive_bytes() - self.begin
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.held = []
+
+
+def _alive_tensors() -> list:
+    gc.collect()
+    return [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
 
 
 def _alive_bytes() -> int:
