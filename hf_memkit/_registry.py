@@ -3,7 +3,8 @@
 Each entry lives in a file of its own and calls ``REGISTRY.register(entry)`` at import; the
 package's ``__init__`` imports every entry file, so importing the package fills its registry.
 Lookups of an unknown name raise ``HfMemkitError`` naming what is allowed (STYLE.md §2); a name
-a registry refuses on purpose (``refuse``: an optimizer whose memory is not modelled) says why.
+a registry refuses on purpose is recorded with why (``refuse`` / ``refusal``: an optimizer whose
+memory is not modelled), for the registry's owner to say in its own words.
 """
 
 from __future__ import annotations
@@ -69,10 +70,6 @@ class Registry(Generic[T]):
         key = self.canonical(name)
         if key is None:
             raw = str(getattr(name, "value", name))
-            why = self.refusal(raw)
-            if why is not None:
-                raise HfMemkitError(f"{self.kind} `{raw}` is not modelled: {why}; allowed: "
-                                    f"{', '.join(self.names())}{self.hint}")
             raise HfMemkitError(
                 f"unknown {self.kind} `{raw}`{did_you_mean(raw, self.names(aliases=True))}; "
                 f"allowed: {', '.join(self.names())}{self.hint}")

@@ -66,7 +66,8 @@ def register(spec: GpuSpec) -> GpuSpec:
 
 
 def lookup(name: str) -> GpuSpec | None:
-    return GPUS.get(name) if name in GPUS else None
+    canonical = GPUS.canonical(name)
+    return GPUS.get(canonical) if canonical else None
 
 
 def catalog() -> dict[str, GpuSpec]:
