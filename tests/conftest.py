@@ -111,3 +111,12 @@ def base_model():
     cfg = tiny_llama_config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                             num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
     return LlamaForCausalLM(cfg).double()
+
+
+@pytest.fixture
+def clean_cuda_env(monkeypatch):
+    """A CUDA estimate reads CUDA_MODULE_LOADING, NCCL_BUFFSIZE and the allocator options from
+    the environment."""
+    for var in ("CUDA_MODULE_LOADING", "NCCL_BUFFSIZE", "PYTORCH_CUDA_ALLOC_CONF",
+                "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)

@@ -6,37 +6,63 @@ Each micro-step has its own tracker, and a tracker registers the storages still 
 previous one (weights, inputs, gradients), so events are keyed by the storage itself: an
 allocation is logged the first time a storage is seen, a free the first time one of the trackers
 is called back for it.
+
+Each event also records *where* it happened: the transformer block running at that moment
+(``(stack, index)``; a stack is one ``ModuleList`` of blocks, e.g. a decoder's layers) or None
+outside any block, and whether autograd's backward was running. Each allocation records its
+*owner*: the block whose weights it is, else the block it was made in. ``_estimate.allocation``
+builds a deep model's stream from these tags (a per-block periodic pattern with explicit
+lifetimes).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 ALLOC, FREE, MARK = "alloc", "free", "mark"
 
+Where = tuple[Any, bool]  # (block or None, in backward)
+
 
 @dataclass
 class EventLog:
-    """``events``: (ALLOC, handle, bytes), (FREE, handle, 0) or (MARK, name, 0) in order."""
+    """``events``: (ALLOC, handle, bytes), (FREE, handle, 0) or (MARK, name, 0) in order;
+    ``where[i]``: the block and direction of ``events[i]``; ``owner``: handle -> block."""
 
     events: list[tuple[str, Any, int]] = field(default_factory=list)
+    where: list[Where] = field(default_factory=list)
+    owner: dict[Any, Any] = field(default_factory=dict)
+    blocks: int = 0  # blocks per stack (0: not tagged)
     _live: dict[int, int] = field(default_factory=dict)
     _ids: Any = field(default_factory=itertools.count)
+    # set by the tracer: the block running now and whether backward runs, and the owning block
+    # of a storage that belongs to a block's weights (by its key)
+    context: Callable[[], Where] | None = field(default=None, repr=False)
+    weight_owner: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    def _here(self) -> Where:
+        return self.context() if self.context is not None else (None, False)
 
     def seen(self, storage: Any, nbytes: int) -> Any:
         """Log a storage's allocation (once); returns the key its free is logged under."""
         key = storage._cdata
         if key not in self._live and nbytes > 0:
             self._live[key] = h = next(self._ids)
+            here = self._here()
             self.events.append((ALLOC, h, int(nbytes)))
+            self.where.append(here)
+            self.owner[h] = self.weight_owner.get(key, here[0])
         return key
 
     def gone(self, key: Any) -> None:
         h = self._live.pop(key, None)
         if h is not None:
             self.events.append((FREE, h, 0))
+            self.where.append(self._here())
 
     def mark(self, name: str) -> None:
         self.events.append((MARK, name, 0))
+        self.where.append((None, False))

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._cuda.events import EventLog
 from .._cuda.target import CudaTarget
 from .._errors import HfMemkitError
 from .._model.facts import layer_count, with_layers
@@ -38,9 +39,9 @@ class Excess:
     layers: tuple[int, ...]
     lower_bound: bool = False              # extrapolated in the micro-batch (TraceCache)
     sdpa_kernels: tuple[str, ...] = ()     # CUDA targets: the attention kernel of each call
-    # CUDA traces: (blocks traced, allocation events, trainable parameter bytes) per depth, for
-    # the caching-allocator replay (``allocation``); its results memoised by key
-    replays: tuple[tuple[int, list, tuple[int, ...]], ...] = ()
+    # CUDA traces: (blocks traced, allocation event log, trainable parameter bytes) per depth,
+    # for the caching-allocator replay (``allocation``); its results memoised by key
+    replays: tuple[tuple[int, EventLog, tuple[int, ...]], ...] = ()
     replayed: dict = field(default_factory=dict, repr=False, compare=False)
     host: int = 0                          # pinned host bytes of a trainer's offloading (TRL)
 
@@ -101,7 +102,7 @@ def trace_excess(spec: ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: 
             held = r.weights + r.inputs + (r.grads if name.endswith("_accum") else 0)
             out[name] = total - held
         cats = {name: {k: c.get(k, 0) for k in CATEGORIES} for name, c in r.categories.items()}
-        replay = ((n, r.events.events, r.trainable),) if r.events is not None else ()
+        replay = ((n, r.events, r.trainable),) if r.events is not None else ()
         inputs = r.inputs // traced * accum if stage != "eval" else r.inputs
         return out, cats, inputs, r.seconds, r.sdpa_kernels, replay, r.host
 

@@ -2,7 +2,9 @@
 
 DESIGN.md, fitting rules: budget = ``max_memory`` if given; else ``total_memory x (1 -
 headroom)``, and no more than ``free_memory`` when the device is the one this process runs on.
-What must fit is the estimate's upper band (``MemoryEstimate.upper``: device_used + margin).
+What must fit is ``MemoryEstimate.upper``: what the step needs (``required``: the caching
+allocator frees its cached blocks and retries before an OOM) plus the margin of its uncertain
+terms.
 """
 
 from __future__ import annotations
@@ -12,7 +14,13 @@ from typing import Any, NamedTuple
 from .._device.probe import DeviceInfo
 from .._units import format_bytes, parse_bytes
 
-DEFAULT_HEADROOM = 0.1
+# The fraction of device memory kept for other tenants of the GPU (a desktop session's
+# display server and browser take 0.3-1.5 GiB of a consumer card; a monitoring agent or a
+# second job on a shared card), and nothing else: the estimate's own uncertainty is in its
+# margin (``MemoryEstimate.margin``, 2 sigma of each term), so headroom is not a second safety
+# factor. 5% keeps 1.2 GiB of a 24 GiB card and 4 GiB of an 80 GiB one. On this machine's own
+# device the budget is also capped at the free memory, which other tenants already left.
+DEFAULT_HEADROOM = 0.05
 
 
 class Budget(NamedTuple):
@@ -37,8 +45,8 @@ def headroom_problem(headroom: Any) -> str | None:
     """The sentence that says why ``headroom`` is not usable, or None."""
     if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) \
             or not 0 <= headroom < 1:
-        return (f"headroom must be in [0, 1): the fraction of device memory kept free (0.1 "
-                f"keeps 10% free); got {headroom!r}")
+        return (f"headroom must be in [0, 1): the fraction of device memory kept free (0.05 "
+                f"keeps 5% free for other tenants of the GPU); got {headroom!r}")
     return None
 
 

@@ -5,7 +5,9 @@ module loading, NCCL buffers; and the uncertainty band. A user calibration of th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+from typing import Any
 
 from .._cuda.allocator import AllocatorConfig
 from .._cuda.runtime import CALIBRATION, CudaRuntime, cublas_workspace, nccl_buffers
@@ -14,13 +16,16 @@ from .._device.probe import DeviceInfo
 from .._model.facts import layer_count
 from .._model.spec import ModelSpec
 from .._optimizers import OptimizerMemory
-from .._units import format_bytes
+from .._units import MiB, format_bytes
 from .activations import Excess
-from .allocation import canonical, deepen, replay_step
+from .allocation import full_depth_events, replay_step
 
 # CPU estimates: relative 1-sigma of the residuals of bench/estimator_cpu.py (26 real Trainer runs:
 # std 0.22%, worst 0.97%), rounded up to 0.5% for architectures the bench does not cover.
-CPU_REL_SIGMA = 0.005
+CPU_REL_SIGMA = CALIBRATION.traced_cpu_sigma
+# the smallest-capacity search stops when its bracket is this narrow (the allocator's segments
+# are 2 MiB multiples; finer does not change a verdict)
+FIT_RESOLUTION = 16 * MiB
 
 
 @dataclass
@@ -31,6 +36,20 @@ class DeviceTerms:
     rel_sigma: float
     notes: list[str]
     margin: int = 0     # 2 sigma in bytes: what a plan adds before comparing with the budget
+    required: int = 0   # the smallest device memory the step runs in (see ``allocator_fit``)
+    sigmas: dict[str, int] = field(default_factory=dict)  # 1-sigma bytes per term
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """The replayed step: its peaks with nothing pressing, and the smallest allocator capacity
+    at which it completes (the allocator frees cached blocks and retries before an OOM)."""
+
+    peak_allocated: int
+    peak_reserved: int   # with nothing pressing
+    capacity: int        # the smallest capacity at which the step completes
+    on_device: int       # peak reserved with the device's memory as the capacity
+    how: str  # "traced", "extended" or "deepened" (``allocation.full_depth_events``)
 
 
 def user_calibration(dev: DeviceInfo, runtime: CudaRuntime) -> Calibration | None:
@@ -44,81 +63,146 @@ def user_calibration(dev: DeviceInfo, runtime: CudaRuntime) -> Calibration | Non
                             torch_version=torch.__version__)
 
 
-def fragmentation(ex: Excess, spec: ModelSpec, om: OptimizerMemory, workspaces: tuple[int, ...],
-                  stage: str, micro_steps: int = 1) -> int:
-    """Peak reserved - peak allocated of the replayed step (0 for a lower bound, which has no
-    events). A model traced at full depth replays its own events; a deep model traced at 2 and 3
-    blocks replays the stream ``allocation.deepen`` builds for its full depth (which cached block
-    a request lands in is discrete, so neither a line through the two shallow replays nor their
-    ratio transfers to the deep model)."""
+def smallest_capacity(events: list, params: tuple[int, ...], lo: int, hi: int,
+                      **kw: Any) -> int:
+    """The smallest capacity (to ``FIT_RESOLUTION``) in [``lo``, ``hi``] at which the step's
+    replay completes without an OOM; ``hi`` (the unconstrained peak reserved) always does."""
+    def completes(cap: int) -> bool:
+        return replay_step(events, params, capacity=cap, **kw).ooms == 0
+
+    if completes(lo):
+        return lo
+    while hi - lo > FIT_RESOLUTION:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if completes(mid) else (mid, hi)
+    return hi
+
+
+def allocator_fit(ex: Excess, spec: ModelSpec, om: OptimizerMemory,
+                  workspaces: tuple[int, ...], stage: str, micro_steps: int = 1,
+                  device_capacity: int | None = None) -> Replayed | None:
+    """The step replayed through the caching-allocator model (None for a lower bound, which has
+    no events). A model traced at full depth replays its own events; a deep model traced at 2
+    and 3 blocks replays the stream ``allocation.full_depth_events`` builds for its full depth
+    (which cached block a request lands in is discrete, so neither a line through two shallow
+    replays nor their ratio transfers to the deep model). ``device_capacity``: what the
+    allocator may reserve on the device (its memory less the context): reserved cannot grow past
+    it, the allocator frees its cache and retries first."""
     if not ex.replays or ex.lower_bound:
-        return 0
+        return None
     states = spec.states()[1]
     trainable = sum(p.nbytes for p in states) or 1
     state, transient = om.state / trainable, om.transient / trainable
     config = AllocatorConfig.from_env()
-    key = (round(state, 6), round(transient, 6), workspaces, config, stage, micro_steps)
+    key = (round(state, 6), round(transient, 6), workspaces, config, stage, micro_steps,
+           device_capacity)
     if key not in ex.replayed:
         full = layer_count(spec.config)
-        reps = sorted(ex.replays, key=lambda r: r[0])
-        (n1, ev1, _), (n2, ev2, params) = reps[0], reps[-1]
         if "events" not in ex.replayed:  # the same for every optimizer and stage
-            ev1, ev2 = canonical(ev1), canonical(ev2)
-            ex.replayed["events"] = ev2 if n2 == full or n1 == n2 else \
-                deepen(ev1, ev2, full - n2)
-        events = ex.replayed["events"]
-        if n2 != full and n1 != n2:
-            params = tuple(p.nbytes for p in states)
-        s = replay_step(events, params, state_ratio=state, transient_ratio=transient,
-                        workspaces=workspaces, optimizer=stage == "train",
-                        micro_steps=micro_steps, config=config)
-        ex.replayed[key] = s.peak_reserved - s.peak_allocated
-    return max(0, ex.replayed[key])
+            ex.replayed["events"] = full_depth_events(ex.replays, full)
+        events, how = ex.replayed["events"]
+        params = max(ex.replays, key=lambda r: r[0])[2] if how == "traced" else \
+            tuple(p.nbytes for p in states)
+        kw = dict(state_ratio=state, transient_ratio=transient, workspaces=workspaces,
+                  optimizer=stage == "train", micro_steps=micro_steps, config=config)
+        s = replay_step(events, params, **kw)
+        cap = smallest_capacity(events, params, s.peak_allocated, s.peak_reserved, **kw)
+        on_device = s.peak_reserved
+        if device_capacity is not None and cap <= device_capacity < s.peak_reserved:
+            on_device = replay_step(events, params, capacity=device_capacity, **kw).peak_reserved
+        ex.replayed[key] = Replayed(s.peak_allocated, s.peak_reserved, cap, on_device, how)
+    return ex.replayed[key]
+
+
+def _band(parts: dict[str, int], runtime: CudaRuntime, frag_at_fit: int,
+          nccl: int) -> dict[str, int]:
+    """1-sigma bytes of each uncertain term (``CudaCalibration`` says where each comes from)."""
+    c = CALIBRATION
+    traced = parts.get("activations", 0) + parts.get("_traced_temporaries", 0)
+    return {
+        "activations (traced)": int(traced * math.hypot(c.traced_cpu_sigma,
+                                                                         c.traced_cuda_sigma)),
+        "CUDA context": c.context_sigma if runtime.lazy_loading else c.context_eager_sigma,
+        "allocator": int(c.allocator_sigma * frag_at_fit),
+        "NCCL buffers": int(c.nccl_sigma * nccl),
+    }
 
 
 def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: OptimizerMemory,
                  runtime: CudaRuntime | None, ranks: int, *, ex: Excess, spec: ModelSpec,
                  stage: str, micro_steps: int = 1, model_states: int = 0,
-                 weights: int = 0) -> DeviceTerms:
-    """Adds fragmentation and context to ``parts`` (and the workspaces to temporaries). The
-    margin: a user calibration's residuals are of device_used as a whole; the published-table
-    sigma is of the part that is not model states (those are exact)."""
+                 weights: int = 0, sharded: bool = False) -> DeviceTerms:
+    """Adds fragmentation and context to ``parts`` (and the workspaces to temporaries), the
+    smallest device memory the step runs in (``required``) and the band. The margin: a user
+    calibration's residuals are of device_used as a whole; otherwise each term's own sigma,
+    combined as independent errors (model states are exact)."""
     if dev.kind != "cuda" or runtime is None:
         parts["fragmentation"] = parts["context"] = 0
-        return DeviceTerms(peak, peak, peak, CPU_REL_SIGMA, [],
-                           int(2 * CPU_REL_SIGMA * peak))
+        margin = int(2 * CPU_REL_SIGMA * peak)
+        return DeviceTerms(peak, peak, peak, CPU_REL_SIGMA, [], margin, peak,
+                           {"activations (traced)": margin // 2})
     cal = user_calibration(dev, runtime)
     per_thread = cublas_workspace(dev.compute_capability) // 2
     if cal is not None and cal.cublas_workspace > 0:
         per_thread = cal.cublas_workspace // 2
     workspaces = (per_thread, per_thread)
+    traced_temporaries = parts["temporaries"]
     allocated = peak + 2 * per_thread + CALIBRATION.alloc_const
     parts["temporaries"] += allocated - peak
-    parts["fragmentation"] = frag = fragmentation(ex, spec, om, workspaces, stage, micro_steps)
     nccl = nccl_buffers(ranks, dev.interconnect)
     context = cal.context if cal is not None else runtime.context
+    resident = om.paged  # paged optimizer state NVML counts while resident
+    outside = context + nccl + resident + CALIBRATION.alloc_const  # not in the replay
+    fit = allocator_fit(ex, spec, om, workspaces, stage, micro_steps,
+                        max(1, dev.total_memory - outside) if dev.total_memory else None)
+    # the replay also rounds every block to 512 B, which the phase arithmetic does not (a
+    # sharded engine's states are replayed unsharded: its replay is not this rank's bytes)
+    rounding = max(0, fit.peak_allocated - (peak + 2 * per_thread)) if fit and not sharded \
+        else 0
+    allocated += rounding
+    parts["temporaries"] += rounding
+    # peak reserved: what reserved reaches when nothing presses; on this device the allocator
+    # frees its cache and retries instead of growing past the device's memory (device_used)
+    frag = max(0, fit.peak_reserved - fit.peak_allocated) if fit else 0
+    frag_on_device = max(0, fit.on_device - fit.peak_allocated) if fit else 0
+    frag_at_fit = max(0, fit.capacity - fit.peak_allocated) if fit else 0
+    parts["fragmentation"] = frag
     parts["context"] = context + nccl
     reserved = allocated + frag
-    used = reserved + parts["context"] + om.paged
-    rel = CALIBRATION.rel_sigma
-    margin = int(2 * rel * max(0, used - model_states))
+    used = allocated + frag_on_device + parts["context"] + resident
+    # (the smallest capacity is found to FIT_RESOLUTION: never above what the device shows)
+    required = min(used, allocated + frag_at_fit + parts["context"] + resident)
     notes = [runtime.note() if cal is None else
              f"CUDA {runtime.version}: context {format_bytes(cal.context)} and cuBLAS "
              f"workspaces measured on this GPU (calibration {cal.path})"]
+    sigmas = _band({**parts, "_traced_temporaries": traced_temporaries}, runtime,
+                   frag_at_fit, nccl)
     if cal is not None and cal.rel_sigma is not None:
-        rel = cal.rel_sigma
-        margin = int(2 * rel * used)
+        margin = int(2 * cal.rel_sigma * used)
+        sigmas = {"calibration residuals": margin // 2}
         notes.append(f"uncertainty from {len(cal.residuals)} measured residuals of this GPU")
     else:
-        notes.append(f"margin {format_bytes(margin)}: 2 x {rel:.0%} of what is not model states "
-                     "(published GPU tables; `hf-memkit calibrate` measures this GPU)")
-    if frag:
+        margin = int(2 * math.sqrt(sum(v * v for v in sigmas.values())))
+        notes.append(f"margin {format_bytes(margin)}: 2 sigma of the uncertain terms combined "
+                     "as independent errors (model states are exact; `hf-memkit calibrate` "
+                     "measures this GPU)")
+    if fit:
         conf = AllocatorConfig.from_env()
         opts = ", ".join(o for o in (
             f"max_split_size_mb:{conf.max_split_size >> 20}" if conf.max_split_size else "",
             "expandable_segments:True" if conf.expandable_segments else "") if o) or "defaults"
+        pressed = fit.on_device < fit.peak_reserved
         notes.append(f"fragmentation from a replay of the step through the caching-allocator "
-                     f"model (PYTORCH_CUDA_ALLOC_CONF: {opts})")
+                     f"model (PYTORCH_CUDA_ALLOC_CONF: {opts}); the step runs in "
+                     f"{format_bytes(required)}: the allocator frees its cached blocks and "
+                     f"retries before an OOM" + (
+                         f"; on {dev.name} it does (with more memory reserved would reach "
+                         f"{format_bytes(fit.peak_reserved + allocated - fit.peak_allocated)})"
+                         if pressed else ""))
+        if fit.how == "deepened":
+            notes.append("this model's blocks do not repeat one allocation pattern: its "
+                         "full-depth allocation stream is an approximation")
     if nccl:
         notes.append(f"NCCL communicator buffers: {format_bytes(nccl)} per rank")
-    return DeviceTerms(allocated, reserved, used, rel, notes, margin)
+    return DeviceTerms(allocated, reserved, used, margin / 2 / used if used else 0.0, notes,
+                       margin, required, sigmas)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -230,6 +231,15 @@ def _kernel_note(ex: Excess, target: CudaTarget | None) -> list[str]:
             "aten/src/ATen/native/transformers/cuda/sdp_utils.cpp)"]
 
 
+def _shares(terms: Any) -> dict[str, int]:
+    """Each term's share of the margin: the margin split in proportion to the terms' variances
+    (they combine as independent errors), so the shares sum to the margin."""
+    total = sum(v * v for v in terms.sigmas.values())
+    if not total:
+        return {}
+    return {k: int(terms.margin * v * v / total) for k, v in terms.sigmas.items() if v}
+
+
 def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_len: int,
                  stage: str = "train", target_len: int | None = None, padded: bool = False,
                  cache: TraceCache | None = None, exact: bool = True,
@@ -267,7 +277,8 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
     terms = device_terms(dev, step.phases[phase], parts, om, runtime,
                          setup.sharding.world_size, ex=ex, spec=trace_spec, stage=stage,
                          micro_steps=min(setup.grad_accum, 2) if stage == "train" else 1,
-                         model_states=rs.model_states, weights=rs.weights)
+                         model_states=rs.model_states, weights=rs.weights,
+                         sharded=ENGINES.get(setup.sharding.engine).sharded)
     allocated, reserved, used, rel = terms.allocated, terms.reserved, terms.used, terms.rel_sigma
     notes += terms.notes + _kernel_note(ex, target)
     if ex.host:
@@ -282,4 +293,4 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
         host_offloaded=int(rs.host) + ex.host + technique_host_bytes(
             spec, setup, seq_len, device_kind=dev.kind, stage=stage),
         lower_bound=ex.lower_bound, cuda_version=runtime.version if runtime else None,
-        margin=terms.margin)
+        margin=terms.margin, required=int(terms.required), margin_terms=_shares(terms))

@@ -15,8 +15,8 @@ class MemoryEstimate:
     """Predicted memory of one step. Bytes throughout; ``explain()`` renders it."""
 
     peak_allocated: int = field(metadata={"help": "Max live tensor bytes (max_memory_allocated)."})
-    peak_reserved: int = field(metadata={"help": "Caching-allocator reserved at peak (CPU: = allocated)."})
-    device_used: int = field(metadata={"help": "What NVML shows: reserved + context + workspaces."})
+    peak_reserved: int = field(metadata={"help": "Caching-allocator reserved at peak when nothing presses (CPU: = allocated)."})
+    device_used: int = field(metadata={"help": "What NVML shows on this device: reserved (which the allocator keeps within the device's memory by freeing its cache) + context."})
     breakdown: dict[str, int] = field(metadata={
         "help": "weights, gradients, optimizer, activations, temporaries (sum to peak_allocated); "
                 "fragmentation, context; optimizer_paged when a paged optimizer keeps state in "
@@ -28,7 +28,7 @@ class MemoryEstimate:
     device: DeviceInfo = field(repr=False, metadata={"help": "Device estimated for."})
     setup: TrainingSetup = field(repr=False, metadata={"help": "Normalised training arguments."})
     seq_len: int = field(default=0, metadata={"help": "Sequence length (the longest in a batch)."})
-    uncertainty: float = field(default=0.0, metadata={"help": "Relative 1-sigma: of device_used on CPU or with a user calibration; on CUDA otherwise of its part that is not model states (see margin)."})
+    uncertainty: float = field(default=0.0, metadata={"help": "Relative 1-sigma of device_used (margin / 2 / device_used)."})
     notes: list[str] = field(default_factory=list, metadata={"help": "What was assumed or noted."})
     model_states: int = field(default=0, metadata={
         "help": "Resident weights + gradients + optimizer state on this rank (sharded where the "
@@ -40,7 +40,17 @@ class MemoryEstimate:
     lower_bound: bool = field(default=False, repr=False, metadata={
         "help": "True when the planner only bounded this setup from below (it did not fit)."})
     margin: int = field(default=0, metadata={
-        "help": "2 sigma in bytes; a plan needs device_used + margin to fit (see band)."})
+        "help": "2 sigma in bytes, from each uncertain term (margin_terms); what must fit the "
+                "budget is required + margin (see upper)."})
+    required: int = field(default=0, metadata={
+        "help": "The smallest device memory the step runs in: on CUDA, the smallest capacity "
+                "at which the replayed step completes through the caching-allocator model (it "
+                "frees cached blocks and retries before an OOM), plus context; at most "
+                "device_used (0 given: device_used)."})
+    margin_terms: dict[str, int] = field(default_factory=dict, metadata={
+        "help": "Each uncertain term's share of the margin in bytes (shares of the combined "
+                "variance, so they sum to the margin): traced activations and temporaries, "
+                "CUDA context, allocator, NCCL buffers; or a user calibration's residuals."})
     cuda_version: str | None = field(default=None, metadata={
         "help": "The target's CUDA version the estimate assumed (None off CUDA)."})
     budget: int | None = field(default=None, metadata={
@@ -48,28 +58,35 @@ class MemoryEstimate:
                 "max_memory if given, else total_memory x (1 - headroom), no more than the "
                 "free memory of this machine's device. None: no budget was given (see fits)."})
     budget_basis: str = field(default="", metadata={
-        "help": "How the budget was derived, e.g. '90% of 24.00 GiB (headroom 0.1)'."})
+        "help": "How the budget was derived, e.g. '95% of 24.00 GiB (headroom 0.05)'."})
+
+    def __post_init__(self) -> None:
+        if not self.required:
+            self.required = self.device_used
 
     @property
     def fits(self) -> bool | None:
-        """Whether the upper band (``upper`` = device_used + margin) is within ``budget``: the
-        planner's rule. None when there is no budget to judge by, or when this is only a lower
-        bound (``lower_bound``) that is within it."""
+        """Whether ``upper`` (required + margin) is within ``budget``: the planner's rule. None
+        when there is no budget to judge by, or when this is only a lower bound
+        (``lower_bound``) that is within it."""
         if self.budget is None or (self.lower_bound and self.upper <= self.budget):
             return None
         return self.upper <= self.budget
 
     @property
     def upper(self) -> int:
-        """The upper end of ``band``: what a plan requires to fit (centre + margin)."""
-        return self.band[1]
+        """What must fit the budget: ``required`` (the smallest memory the step runs in) plus
+        the margin. One safety factor: the budget's headroom is for other tenants of the GPU."""
+        return self.required + self._margin()
 
     @property
     def band(self) -> tuple[int, int]:
-        """device_used +- ``margin`` (2 sigma: about a 95% band from the calibration residuals;
-        on CUDA without a user calibration, of the part that is not model states)."""
-        d = self.margin if self.margin else 2 * self.uncertainty * self.device_used
+        """device_used +- ``margin`` (2 sigma: about a 95% band of what NVML shows)."""
+        d = self._margin()
         return int(self.device_used - d), int(self.device_used + d)
+
+    def _margin(self) -> int:
+        return int(self.margin if self.margin else 2 * self.uncertainty * self.device_used)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -80,6 +97,7 @@ class MemoryEstimate:
             "model_states": self.model_states, "host_offloaded": self.host_offloaded,
             "device": self.device.to_dict(), "setup": self.setup.to_dict(),
             "cuda_version": self.cuda_version, "margin": self.margin,
+            "required": self.required, "margin_terms": dict(self.margin_terms),
             "upper": self.upper, "budget": self.budget, "budget_basis": self.budget_basis,
             "fits": self.fits,
         }
@@ -115,4 +133,5 @@ class MemoryEstimate:
             seq_len=d["seq_len"], uncertainty=d["uncertainty"], notes=list(d["notes"]),
             model_states=d.get("model_states", 0), host_offloaded=d.get("host_offloaded", 0),
             cuda_version=d.get("cuda_version"), margin=d.get("margin", 0),
+            required=d.get("required") or d["device_used"], margin_terms=dict(d.get("margin_terms", {})),
             budget=d.get("budget"), budget_basis=d.get("budget_basis", ""))

@@ -18,7 +18,7 @@ from .._cuda.runtime import parse_cuda_version
 from .._device.probe import DeviceInfo, probe_device, resolve_device
 from .._engines import engine_choices
 from .._errors import ConfigError, did_you_mean
-from .._estimate.budget import headroom_problem, memory_budget
+from .._estimate.budget import DEFAULT_HEADROOM, headroom_problem, memory_budget
 from .._methods import METHODS, method_choices
 from .._setup.fields import config_fields
 from .._trainers import TRAINER, TRAINERS
@@ -64,7 +64,7 @@ class PlanRequest:
     device: Any = None
     num_gpus: int | None = None
     method: str = "auto"
-    headroom: float = 0.1
+    headroom: float = DEFAULT_HEADROOM
     max_memory: int | str | None = None
     task: str | None = None
     num_nodes: int | None = 1

@@ -141,8 +141,8 @@ class Plan:
             return
         if est.upper > self.budget:
             warnings.warn(
-                f"with these overrides the setup needs {format_bytes(est.device_used)} (+ margin "
-                f"{format_bytes(est.upper - est.device_used)}), over the "
+                f"with these overrides the setup needs {format_bytes(est.required)} (+ margin "
+                f"{format_bytes(est.upper - est.required)}), over the "
                 f"budget of {format_bytes(self.budget)} on {self.device.name}:\n{est.explain()}",
                 stacklevel=3)
 

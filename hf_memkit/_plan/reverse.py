@@ -15,7 +15,7 @@ def max_batch_size(model: Any, args: Any = None, *, seq_len: int, device: Any = 
                    max_memory: int | str | None = None, headroom: float | None = None,
                    limit: int = 4096, **estimate_kwargs: Any) -> int:
     """The largest micro-batch of ``args`` (at most ``limit``) whose step fits the device (0 if
-    none). ``headroom``: the fraction of device memory kept free, in [0, 1) (default 0.1);
+    none). ``headroom``: the fraction of device memory kept free, in [0, 1) (default 0.05);
     ``max_memory`` (bytes or "20GiB") replaces the device's budget, and headroom with it."""
     headroom = _check("max_batch_size", seq_len=seq_len, limit=limit, headroom=headroom,
                       max_memory=max_memory)

@@ -61,14 +61,15 @@ def rungs(search: Any, c: Candidate) -> list[tuple[int, str, Callable[[Candidate
 
 def ladder_savings(search: Any, chosen: Candidate) -> list[dict[str, Any]]:
     """One row per rung, from the setup with none of them up to ``chosen``: ``rung``,
-    ``device_used`` with it, ``saved`` (device bytes it saved; None when the setup below it
-    could not be estimated), ``host_offloaded`` it added and ``time_factor`` (predicted time
+    ``device_used`` with it, ``must_fit`` (what must fit the budget with it: the step's need
+    plus its margin), ``saved`` (the bytes of ``must_fit`` it saved; None when the setup below
+    it could not be estimated), ``host_offloaded`` it added and ``time_factor`` (predicted time
     per sample with it / without it)."""
     steps = sorted(rungs(search, chosen), key=lambda r: -r[0])
     chain = [chosen]
     for _, _, undo in steps:
         chain.append(undo(chain[-1]))
-    used, host = [], []
+    used, must, host = [], [], []
     for c in chain[1:]:
         search.price(c)
         try:
@@ -77,12 +78,13 @@ def ladder_savings(search: Any, chosen: Candidate) -> list[dict[str, Any]]:
             c.estimate = None
     for c in chain:
         used.append(c.estimate.device_used if c.estimate is not None else None)
+        must.append(c.estimate.upper if c.estimate is not None else None)
         host.append(c.estimate.host_offloaded if c.estimate is not None else None)
     out = []
     for i in range(len(steps) - 1, -1, -1):  # from the bottom rung up
         above, below = chain[i], chain[i + 1]
-        out.append({"rung": steps[i][1], "device_used": used[i],
-                    "saved": None if None in (used[i], used[i + 1]) else used[i + 1] - used[i],
+        out.append({"rung": steps[i][1], "device_used": used[i], "must_fit": must[i],
+                    "saved": None if None in (must[i], must[i + 1]) else must[i + 1] - must[i],
                     "host_offloaded": None if None in (host[i], host[i + 1]) else
                     host[i] - host[i + 1],
                     "time_factor": above.rel_time / below.rel_time if below.rel_time else None})

@@ -113,13 +113,14 @@ class Search:
     def _record(self, c: Candidate, est: MemoryEstimate) -> bool:
         c.estimate, c.device_used, c.peak_allocated = est, est.device_used, est.peak_allocated
         host = est.host_offloaded * (self.req.ranks // self.req.nodes)
-        # what must fit is the upper band (centre + its margin), not the centre
+        # what must fit is what the step needs (the allocator freeing its cache before an
+        # OOM) plus the margin of its uncertain terms
         c.fits = est.upper <= self.budget and (self.host_budget is None
                                                or host <= self.host_budget)
         if not c.fits:
             at_least = "at least " if est.lower_bound else ""
-            c.reason = (f"needs {at_least}{format_bytes(est.device_used)} (+ margin "
-                        f"{format_bytes(est.upper - est.device_used)}) > budget "
+            c.reason = (f"needs {at_least}{format_bytes(est.required)} (+ margin "
+                        f"{format_bytes(est.upper - est.required)}) > budget "
                         f"{format_bytes(self.budget)}" if est.upper > self.budget else
                         f"offload needs {format_bytes(host)} of host RAM per node > "
                         f"{format_bytes(self.host_budget)}")
@@ -182,7 +183,8 @@ class Search:
                 except HfMemkitError:
                     continue
                 c.device_used = c.estimate.device_used
-            if best is None or c.device_used < best.device_used:
+            if best is None or c.estimate is None or best.estimate is None or \
+                    c.estimate.upper < best.estimate.upper:
                 best = c
         if best is None:
             raise HfMemkitError("no setup could be estimated for this model")
@@ -195,10 +197,11 @@ class Search:
                 f"{best.reason[len('offload '):]}; give host_memory= if the nodes have more RAM, "
                 f"or use more GPUs, a shorter seq_len{qlora}")
         est = best.estimate
-        margin = "" if est is None or est.upper <= est.device_used else (
-            f" + margin {format_bytes(est.upper - est.device_used)} (the estimate's "
+        margin = "" if est is None or est.upper <= est.required else (
+            f" + margin {format_bytes(est.upper - est.required)} (the estimate's "
             "uncertainty; `hf-memkit calibrate` on this GPU narrows it)")
+        needs = est.required if est is not None else best.device_used
         raise HfMemkitError(
-            f"needs at least {format_bytes(best.device_used)}{margin} with {best.label()} at "
+            f"needs at least {format_bytes(needs)}{margin} with {best.label()} at "
             f"seq {seq_len}; {dev.name} has {format_bytes(budget)} usable; try a shorter "
             f"seq_len{qlora}, more GPUs or a larger GPU")

@@ -102,7 +102,8 @@ def estimate_summary(est: Any) -> dict[str, Any] | None:
     if est is None:
         return None
     return {"device_used": est.device_used, "upper": est.upper,
-            "margin": est.upper - est.device_used, "budget": est.budget, "fits": est.fits,
+            "required": est.required, "margin": est.upper - est.required,
+            "budget": est.budget, "fits": est.fits,
             "peak_allocated": est.peak_allocated, "peak_reserved": est.peak_reserved,
             "peak_phase": est.peak_phase,
             "breakdown": dict(est.breakdown), "host_offloaded": est.host_offloaded}

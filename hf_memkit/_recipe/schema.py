@@ -12,6 +12,8 @@ from typing import Any
 
 import yaml
 
+from .._estimate.budget import DEFAULT_HEADROOM
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "tokenizer.model")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -68,7 +70,8 @@ class Recipe:
                          "is split across them", 1)
     max_memory: int | str | None = _key("hardware.max_memory", "explicit per-GPU budget, bytes or "
                                         "'20GiB'; overrides device memory x (1 - headroom)", None)
-    headroom: float = _key("hardware.headroom", "fraction of device memory kept free", 0.1)
+    headroom: float = _key("hardware.headroom", "fraction of device memory kept free for other "
+                           "tenants of the GPU", DEFAULT_HEADROOM)
     num_nodes: int = _key("hardware.num_nodes", "nodes the num_gpus are spread over (GPUs per "
                           "node = num_gpus / num_nodes)", 1)
     engine: str = _key("hardware.engine", "auto | ddp | fsdp | deepspeed: the data-parallel "

@@ -206,6 +206,50 @@ def new_tracker(model: torch.nn.Module, inputs: list[Any],
     return mt
 
 
+def _block_stacks(models: Sequence[Any], n: int) -> list[list[torch.nn.Module]]:
+    """The model's stacks of ``n`` transformer blocks (``ModuleList``s of ``n`` modules of one
+    class: a decoder's layers; an encoder-decoder has two; a reference copy its own)."""
+    stacks, seen = [], set()
+    for m in (m for m in models if m is not None):
+        for sub in m.modules():
+            if (isinstance(sub, torch.nn.ModuleList) and len(sub) == n and id(sub) not in seen
+                    and len({type(b) for b in sub}) == 1):
+                seen.add(id(sub))
+                stacks.append(list(sub))
+    return stacks
+
+
+def _tag_blocks(log: EventLog, stacks: list[list[torch.nn.Module]]) -> None:
+    """Each block's weights belong to that block (``EventLog.owner``)."""
+    log.blocks = len(stacks[0]) if stacks else 0
+    for s, stack in enumerate(stacks):
+        for i, block in enumerate(stack):
+            for t in (*block.parameters(), *block.buffers()):
+                for st in get_untyped_storages(t):
+                    log.weight_owner.setdefault(st._cdata, (s, i))
+
+
+def _block_context(mt: Any, stacks: list[list[torch.nn.Module]]) -> Callable[[], tuple]:
+    """The block running now (from MemTracker's module tracker: the modules whose forward or
+    backward is under way) and whether autograd's backward runs."""
+    tracker = mt._mod_tracker
+    modules = {id(b): (s, i) for s, stack in enumerate(stacks) for i, b in enumerate(stack)}
+    blocks = [b for stack in stacks for b in stack]
+    names: dict[str, tuple[int, int]] = {}
+
+    def here() -> tuple:
+        if len(names) < len(blocks):  # names are given as the tracker first meets a module
+            known = tracker._known_modules
+            for b in blocks:
+                name = known.get(b)
+                if name is not None:
+                    names[name] = modules[id(b)]
+        block = next((names[p] for p in tracker.parents if p in names), None)
+        return block, torch._C._current_graph_task_id() != -1
+
+    return here
+
+
 def _reset_peak(mt: Any) -> None:
     """Start a new peak window at the current total (what MemTracker.__enter__ does)."""
     mt._peak_mem_snap = mt.get_tracker_snapshot()
@@ -384,10 +428,14 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
 
     kernels: list[str] = []
     log = EventLog() if target is not None and not forward_only else None
+    stacks = _block_stacks([model, ref], layer_count(config)) if log is not None else []
     for i in range(1 if forward_only else n_micro):
         # a fresh tracker per micro-step registers the gradients the previous one left as such
+        if log is not None:
+            _tag_blocks(log, stacks)
         mt = new_tracker(model, all_inputs + ([ref] if ref is not None else []), log)
         if log is not None:
+            log.context = _block_context(mt, stacks)
             log.mark(f"micro{i}")
         with fm, mt, _unpacked_sequences(packed), emulate_cuda(target) as cuda_ops, \
                 trainer.context(target) if trainer is not None else contextlib.nullcontext():

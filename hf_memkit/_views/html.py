@@ -30,7 +30,7 @@ def _badge(est) -> str:
 
 def breakdown_bar_html(est) -> str:
     """A horizontal bar of device_used by term, the margin hatched, and the budget as a line."""
-    margin = max(est.upper - est.device_used, 0)
+    margin = max(est.upper - est.required, 0)
     scale = max(est.upper, est.budget or 0, 1)
     segs, legend = [], []
     for key, color in _BAR:
@@ -63,8 +63,9 @@ def breakdown_bar_html(est) -> str:
 
 def _memory_line(est) -> str:
     budget = format_bytes(est.budget) if est.budget is not None else "no budget"
-    return (f"{format_bytes(est.device_used)} + margin {format_bytes(est.upper - est.device_used)}"
-            f" = {format_bytes(est.upper)} of {budget}")
+    return (f"device used {format_bytes(est.device_used)}; needs {format_bytes(est.required)} "
+            f"+ margin {format_bytes(est.upper - est.required)} = {format_bytes(est.upper)} of "
+            f"{budget}")
 
 
 def estimate_html(est) -> str:

@@ -251,9 +251,16 @@ def estimate_table(est) -> Table:
     lo, hi = est.band
     add_row(t, "= device used", format_bytes(est.device_used),
             f"{format_bytes(lo)} .. {format_bytes(hi)}", style="bold green")
-    add_row(t, "margin (2 sigma)", format_bytes(hi - est.device_used),
-            f"{100 * (hi - est.device_used) / total:.1f}%")
-    add_row(t, "= must fit", format_bytes(hi), "", style="bold")
+    if est.required != est.device_used:
+        add_row(t, "needs (cache freed)", format_bytes(est.required),
+                "allocator frees its cache first")
+    margin = est.upper - est.required
+    add_row(t, "margin (2 sigma)", format_bytes(margin), f"{100 * margin / total:.1f}%")
+    for term, share in sorted(est.margin_terms.items(), key=lambda kv: -kv[1]):
+        if share:
+            add_row(t, f"  · {term}", format_bytes(share),
+                    f"{100 * share / max(margin, 1):.0f}% of the margin")
+    add_row(t, "= must fit", format_bytes(est.upper), "", style="bold")
     add_row(t, "budget", format_bytes(est.budget) if est.budget is not None else "-",
             est.budget_basis)
     word, detail, style = verdict(est)
@@ -287,8 +294,8 @@ def _predicted_memory(plan, c) -> str:
     est = c.estimate
     text = f"{format_bytes(c.device_used)} of {format_bytes(plan.budget)}"
     text += " per GPU" if plan.num_gpus > 1 else ""
-    if est is not None and est.upper > est.device_used:
-        text += f"; with its margin {format_bytes(est.upper)}"
+    if est is not None and est.upper != est.device_used:
+        text += f"; needs {format_bytes(est.required)}, with its margin {format_bytes(est.upper)}"
     return text + (": fits" if c.fits else ": does not fit")
 
 
@@ -345,7 +352,7 @@ def ladder_table(ladder: list[dict]) -> Table:
     """What each rung of the chosen setup saved, from the setup without any of them up."""
     t = new_table("what each rung saved (same micro-batch)")
     add_column(t, "rung")
-    add_column(t, "device used\nwith it", numeric=True)
+    add_column(t, "must fit\nwith it", numeric=True)
     add_column(t, "saved", numeric=True)
     add_column(t, "host RAM", numeric=True)
     add_column(t, "time per\nsample", numeric=True)
@@ -357,7 +364,7 @@ def ladder_table(ladder: list[dict]) -> Table:
         saved = r.get("saved")
         host = r.get("host_offloaded")
         factor = r.get("time_factor")
-        add_row(t, "+ " + r["rung"], size(r.get("device_used")),
+        add_row(t, "+ " + r["rung"], size(r.get("must_fit", r.get("device_used"))),
                 "n/a" if saved is None else format_bytes(saved) if saved >= 0 else
                 f"costs {format_bytes(-saved)}",
                 f"+{format_bytes(host)}" if host else "", f"x{factor:.2f}" if factor else "")

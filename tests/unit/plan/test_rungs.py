@@ -74,7 +74,7 @@ def test_offload_is_planned_when_checkpointing_alone_does_not_fit():
     # what the plan says it costs: each layer input to the host and back over PCIe Gen4
     rung = {r["rung"]: r for r in p.ladder}["activation offloading"]
     assert rung["host_offloaded"] == off.host_offloaded
-    assert rung["saved"] == ckpt.device_used - off.device_used > 0
+    assert rung["saved"] == ckpt.upper - off.upper > 0
     assert rung["time_factor"] > 1
     assert host_link_bandwidth(mk.get_device(A100)) == pytest.approx(0.8 * 32e9)
 
@@ -138,7 +138,7 @@ def test_liger_comes_before_checkpointing(liger_installed):
     assert not p.chosen.checkpointing
     assert p.estimate.device_used == liger.device_used
     assert [r["rung"] for r in p.ladder] == ["Liger kernels"]
-    assert p.ladder[0]["saved"] == estimate().device_used - liger.device_used
+    assert p.ladder[0]["saved"] == estimate().upper - liger.upper
     assert "what each rung saved" in p.explain()
 
 
@@ -174,7 +174,8 @@ def test_the_ladder_adds_up_from_the_plain_setup(liger_installed):
              estimate(use_liger_kernel=True, **OFFLOAD)]
     for r, before, after in zip(p.ladder, steps[:-1], steps[1:], strict=True):
         assert r["device_used"] == after.device_used
-        assert r["saved"] == before.device_used - after.device_used
+        assert r["must_fit"] == after.upper
+        assert r["saved"] == before.upper - after.upper
     back = mk.Plan.from_json(p.to_json())
     assert back.ladder == p.ladder
 

@@ -117,7 +117,7 @@ def test_plan_of_bundled_recipe_matches_independent_estimate(path, capsys):
                              peft_config=plan.peft_config,
                              quantization_config=quant, **extra)
     assert c.device_used == est.device_used
-    assert c.device_used <= plan.budget
+    assert est.upper <= plan.budget  # the step needs no more than the budget, with margin
 
 
 def test_plan_text_of_recipe_prints_the_estimate(capsys):
