@@ -1,6 +1,8 @@
-"""hf_memkit's verdicts against training setups people publish as having run on one GPU, and
-a few published as running out of memory (bench/community_configs.yaml: source, exact setup,
-published memory, what each row assumes where the source is silent).
+"""hf_memkit's verdicts and plans for published single-GPU training setups (ran or OOM).
+
+The setups (bench/community_configs.yaml) are ones people publish as having run on one GPU, and
+a few published as running out of memory: source, exact setup, published memory, and what each
+row assumes where the source is silent.
 
 For every row:
   * ``mk.estimate_memory`` of that exact setup on the row's catalog GPU with the default
