@@ -99,7 +99,7 @@ def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: Optimize
     context = cal.context if cal is not None else runtime.context
     parts["context"] = context + nccl
     reserved = allocated + frag
-    used = reserved + parts["context"] + om.paged
+    used = reserved + parts["context"] + om.paged_resident  # paged state: only its step pages
     rel = CALIBRATION.rel_sigma
     margin = int(2 * rel * max(0, used - model_states))
     notes = [runtime.note() if cal is None else
