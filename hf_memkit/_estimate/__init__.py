@@ -20,6 +20,7 @@ from .._engines import Sharding
 from .._errors import ConfigError, HfMemkitError
 from .._model.spec import resolve_model
 from .._setup.setup import normalize_args
+from .._trainers.fused_head import with_completion
 from .._trainers.packing import with_lengths
 from .._units import parse_bytes
 from .activations import TraceCache
@@ -28,6 +29,21 @@ from .phases import BREAKDOWN_SUM_KEYS, estimate_for
 from .result import MemoryEstimate
 
 STAGES = ("train", "eval", "forward_backward")
+
+
+def _trainer_rows(setup: Any, lengths: Sequence[int] | None, seq_len: int | None,
+                  completion_len: int | None) -> tuple[Any, int]:
+    """``setup`` and ``seq_len`` for the rows the trainer feeds: their ``lengths`` (padding-free
+    micro-batches in tokens), the trainer's ``max_length`` as the default ``seq_len``, and the
+    positions its head scores (``completion_len``)."""
+    setup, seq_len = with_lengths(setup, lengths, seq_len)
+    if seq_len is None:
+        seq_len = setup.trainer_kind.seq_len(setup.trainer_options)
+        if seq_len is None:
+            raise ConfigError([f"seq_len is required: {setup.trainer_kind.title}'s "
+                               "arguments carry no max_length; pass seq_len=<the longest "
+                               "sequence of a batch>"], source="estimate_memory")
+    return with_completion(setup, completion_len, seq_len), seq_len
 
 
 def _problems(seq_len: Any, stage: Any, target_len: Any) -> list[str]:
@@ -75,7 +91,8 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,
                     cuda_version: str | None = None, headroom: float | None = None,
                     max_memory: int | str | None = None, trainer: str | None = None,
                     ref_model: bool | None = None,
-                    lengths: Sequence[int] | None = None) -> MemoryEstimate:
+                    lengths: Sequence[int] | None = None,
+                    completion_len: int | None = None) -> MemoryEstimate:
     """Predict the peak memory of one training (``stage="train"``) or eval step.
 
     ``stage="forward_backward"``: the peak of one forward and backward of the model's own loss
@@ -108,16 +125,13 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,
     ``lengths``: the token counts of the dataset's rows, in order: a padded batch peaks at the
     longest (the default ``seq_len``); a padding-free or packed SFT micro-batch is estimated at
     the most tokens any of its micro-batches holds (BFD's bins simulated as TRL packs them).
+    ``completion_len`` (SFT with ``completion_only_loss`` / ``assistant_only_loss``, DPO): the
+    labelled tokens of a row, which alone TRL's head scores on CUDA (``_trainers.fused_head``);
+    without it every position is scored (an upper bound).
     """
     setup = normalize_args(args, source="args", num_gpus=num_gpus, trainer=trainer,
                            ref_model=ref_model)
-    setup, seq_len = with_lengths(setup, lengths, seq_len)
-    if seq_len is None:
-        seq_len = setup.trainer_kind.seq_len(setup.trainer_options)
-        if seq_len is None:
-            raise ConfigError([f"seq_len is required: {setup.trainer_kind.title}'s "
-                               "arguments carry no max_length; pass seq_len=<the longest "
-                               "sequence of a batch>"], source="estimate_memory")
+    setup, seq_len = _trainer_rows(setup, lengths, seq_len, completion_len)
     problems = _problems(seq_len, stage, target_len)
     if cuda_version is not None:
         try:

@@ -151,7 +151,7 @@ def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: Optimize
     parts["temporaries"] += allocated - peak
     nccl = nccl_buffers(ranks, dev.interconnect)
     context = cal.context if cal is not None else runtime.context
-    resident = om.paged  # paged optimizer state NVML counts while resident
+    resident = om.paged_resident  # paged state: only the pages its step needs at once
     outside = context + nccl + resident + CALIBRATION.alloc_const  # not in the replay
     fit = allocator_fit(ex, spec, om, workspaces, stage, micro_steps,
                         max(1, dev.total_memory - outside) if dev.total_memory else None)

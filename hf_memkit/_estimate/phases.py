@@ -92,7 +92,10 @@ def _state_notes(setup: TrainingSetup, rs: RankStates, om: OptimizerMemory,
         notes.append(f"{format_bytes(rs.host)} per rank offloaded to host (CPU) memory")
     if om.paged:
         notes.append(f"{format_bytes(om.paged)} of paged optimizer state lives in CUDA managed "
-                     "memory (outside max_memory_allocated; NVML counts it while resident)")
+                     "memory, outside device memory: the driver pages it out to host memory when "
+                     f"the device runs short; device_used counts {format_bytes(om.paged_resident)}"
+                     ", the largest parameter's state pages, which the step needs on the device "
+                     "at once (NVML shows more while unpressed pages stay there)")
     return notes
 
 
@@ -253,7 +256,7 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
     rs, om = states_for(spec, setup, dev)
     if stage == "forward_backward":
         rs = dataclasses.replace(rs, optimizer=0, optimizer_transient=0)
-        om = dataclasses.replace(om, state=0, transient=0, paged=0)
+        om = dataclasses.replace(om, state=0, transient=0, paged=0, paged_resident=0)
     notes += _state_notes(setup, rs, om, dev)
     ref = reference_bytes(spec, setup)
     if ref:
@@ -283,8 +286,9 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
     notes += terms.notes + _kernel_note(ex, target)
     if ex.host:
         notes.append(setup.trainer_kind.host_note(ex.host))
-    if om.paged:
+    if om.paged:  # in managed memory; only the step's pages count in device_used
         parts["optimizer_paged"] = om.paged
+        parts["optimizer_paged_resident"] = om.paged_resident
     return MemoryEstimate(
         peak_allocated=int(allocated), peak_reserved=int(reserved), device_used=int(used),
         breakdown={k: int(v) for k, v in parts.items()}, peak_phase=phase, stage=stage,

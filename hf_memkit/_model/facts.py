@@ -4,6 +4,7 @@ structure the sharding arithmetic needs, read from a meta instance of the model.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,3 +78,16 @@ def with_layers(config: Any, n: int) -> Any:
             if isinstance(v, list) and len(v) == full:  # layer_types, per-layer windows, ...
                 setattr(c, key, v[:n])
     return cfg
+
+
+def block_stacks(models: Sequence[Any], n: int) -> list[list[torch.nn.Module]]:
+    """The stacks of ``n`` transformer blocks in ``models`` (``ModuleList``s of ``n`` modules of
+    one class: a decoder's layers; an encoder-decoder has two; a reference copy its own)."""
+    stacks, seen = [], set()
+    for m in (m for m in models if m is not None):
+        for sub in m.modules():
+            if (isinstance(sub, torch.nn.ModuleList) and len(sub) == n and id(sub) not in seen
+                    and len({type(b) for b in sub}) == 1):
+                seen.add(id(sub))
+                stacks.append(list(sub))
+    return stacks

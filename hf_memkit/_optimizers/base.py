@@ -4,7 +4,9 @@ A profile says everything hf_memkit needs about an optimizer, so adding one is o
 file of this package:
   * ``estimate``: for the trainable parameters, ``state`` (persistent bytes, created lazily at the
     first ``step()``), ``transient`` (the largest extra allocation alive inside ``step()``) and
-    ``paged`` (state in CUDA unified memory, outside the caching allocator);
+    ``paged`` (state in CUDA managed memory, outside the caching allocator and outside what
+    must fit on the device) and ``paged_resident`` (the part of it the step needs on the device
+    at once, which the must-fit figure counts);
   * ``step_cost``: the step's time relative to fused AdamW (memory-bound: bytes moved per
     parameter), for the planner's cost model;
   * ``accelerate_class`` / ``accelerate_kwargs``: what ``Plan.accelerator_kwargs`` hands a custom
@@ -68,9 +70,17 @@ TARGET_MODULES_ARG = "optim_target_modules"
 
 @dataclass(frozen=True)
 class OptimizerMemory:
+    """What an optimizer adds to a step, in bytes.
+
+    ``paged``: state in CUDA managed memory (``cudaMallocManaged``), which the driver migrates to
+    the host when the device is short of memory: counted outside ``device_used``.
+    ``paged_resident``: the part of ``paged`` that must be on the device at once (the pages of
+    the tensor being updated), counted in ``device_used``."""
+
     state: int
     transient: int
     paged: int = 0
+    paged_resident: int = 0
 
 
 # Step time relative to fused AdamW for an optimizer whose entry gives none.

@@ -7,7 +7,23 @@ Optimizer1State.init_state).
   * The Trainer registers every nn.Embedding weight for 32-bit state (transformers/trainer.py
     create_optimizer: GlobalOptimManager.register_module_override(module, "weight",
     {"optim_bits": 32})), and the measured CPU runs confirm it.
-  * Paged variants (get_state_buffer): on CUDA, buffers of >= 1e5 elements go to managed memory.
+  * Paged variants (``is_paged``; the Trainer's ``paged_*`` optims): only the param-sized state
+    buffers can be paged. ``Optimizer8bit.get_state_buffer`` returns ``torch.zeros_like`` for a
+    CPU param or one of ``numel < 1e5``, else ``F.get_paged`` (functional.py: ``cget_managed_ptr``,
+    i.e. ``cudaMallocManaged(..., cudaMemAttachHost)`` in csrc/pythonInterface.cpp); it is called
+    for ``state1``/``state2`` only (AdEMAMix: ``_get_state_double_buffer`` for its (2, ...)
+    ``state1``, same rule). ``absmax1``/``absmax2``, ``unorm_vec`` and the qmaps are
+    ``torch.zeros(..., device=p.device)`` in ``init_state``: ordinary caching-allocator memory.
+    Managed pages are not the caching allocator's: the driver migrates them to the host when
+    device memory runs short (cudaMalloc's physical allocator evicts them: nvidia-uvm registers
+    its eviction callbacks with it, ``pmaRegisterEvictionCb`` in NVIDIA's open-gpu-kernel-modules;
+    the QLoRA paper's "paged optimizers"), so they sit outside what must fit (``paged``). What
+    the step needs at once: ``Optimizer8bit.step`` runs ``prefetch_state(p)`` (functional.py
+    ``prefetch_tensor`` of ``state1`` and ``state2``: ``cudaMemPrefetchAsync`` to the device),
+    then ``update_step``, then ``sync_gpu(p)``, param by param, so the pages of one param's
+    state must be on the device together: the largest paged param's buffers
+    (``paged_resident``). Unpressed, pages stay where they were last used: NVML then shows all
+    of ``paged`` as used.
   * On CUDA the update kernels work in place; on CPU bnb's torch fallback dequantises the two
     states of the parameter being updated to fp32 (measured: ~3 fp32 copies of the largest
     param).
@@ -49,18 +65,18 @@ def _bnb(slots: int, bits: int, paged: bool, *, qmaps: int | None = None,
     n_qmaps = slots if qmaps is None else qmaps
 
     def estimate(params: Sequence[ParamInfo], ctx: OptimizerContext) -> OptimizerMemory:
-        resident = paged_bytes = transient = 0
+        resident = paged_bytes = at_once = transient = 0
         for p in params:
             eight = bits == 8 and p.numel >= MIN_8BIT_SIZE and not p.embedding
-            if eight:
-                blocks = -(-p.numel // BNB_BLOCK)
-                b = slots * (p.numel + 4 * blocks)
-            else:
-                b = slots * 4 * p.numel
+            # get_state_buffer's buffers (pageable) and the fp32 absmax blocks (never paged)
+            buffers = slots * p.numel if eight else slots * 4 * p.numel
+            absmax = slots * 4 * -(-p.numel // BNB_BLOCK) if eight else 0
+            resident += absmax
             if paged and ctx.device_kind == "cuda" and p.numel >= PAGED_MIN_NUMEL:
-                paged_bytes += b
+                paged_bytes += buffers
+                at_once = max(at_once, buffers)  # prefetch_state(p): this param's pages
             else:
-                resident += b
+                resident += buffers
             if cpu_bytes is not None and ctx.device_kind != "cuda":
                 per = cpu_bytes[0 if eight else 1] + (4 if p.itemsize != 4 else 0)
                 transient = max(transient, per * p.numel)
@@ -71,7 +87,7 @@ def _bnb(slots: int, bits: int, paged: bool, *, qmaps: int | None = None,
         elif cpu_bytes is None:  # torch fallback: fp32 dequantised copies of the states + update
             largest = max((p.numel for p in params), default=0)
             transient = (slots + 1) * 4 * largest if bits == 8 else 4 * largest
-        return OptimizerMemory(resident, transient, paged_bytes)
+        return OptimizerMemory(resident, transient, paged_bytes, at_once)
 
     return estimate
 

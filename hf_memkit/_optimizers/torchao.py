@@ -13,13 +13,30 @@ State (torchao/optim/adam.py ``_AdamBase.step`` / ``_new_buffer``, checked on to
         ``qmap`` (256 fp32 = 1 KiB) per state tensor: qmaps are not shared across params;
       - 4-bit (subclass_4bit.py ``OptimState4bit.zeros``): ``codes`` uint8 of numel // 2 (two
         codes a byte), ``scale`` fp32 per block, and a 16-entry fp32 ``qmap`` (64 B) per state.
-Step: ``torch.compile(single_param_adam, fullgraph=True)`` per param. Measured on CPU (RSS with
-``MALLOC_MMAP_THRESHOLD_=65536``, steady steps after the first): a quantized param's step holds
-8 B/element (the two fp32 moments, dequantised for the blockwise re-quantisation) with 8-bit
-state and 26 B/element with 4-bit state (the packing adds unpacked code and scaled copies), fp32
-or bf16 params alike; a dense-state param's step is fused in place (0 B). Params step one at a
-time, so the transient is the largest over params. On CUDA the graph is compiled by Triton
-instead; not measured here, the CPU figure is used there too.
+Step: ``torch.compile(single_param_adam, fullgraph=True, dynamic=False)`` per param (adam.py
+lines 142-156, torchao 0.18), one Inductor graph per param; params step one at a time, so the
+transient is the largest over params. A dense-state param's step is fused in place (0 B). For a
+quantized one, ``single_param_adam`` (adam.py 190-195) dequantises each moment, lerps it in fp32
+and ``copy_``s it back into the subclass, whose ``copy_`` (subclass_4bit.py 155-159,
+subclass_8bit.py 137-141) runs ``scale_tensor`` (a per-block absmax, quant_utils.py 64-72) and
+``quantize_{8,4}bit_with_qmap`` (quant_utils.py 75-112: a binary search whose
+``torch.where(..., 8, 0)`` makes int64 codes, reading the scaled input 5-9 times); 4-bit then
+packs ``(codes[::2] << 4) | codes[1::2]`` over numel / 2 elements. What Inductor keeps in memory
+(torch 2.13, read from its generated wrapper, ``TORCH_LOGS=output_code``):
+  * CPU (measured by RSS with ``MALLOC_MMAP_THRESHOLD_=65536``, steady steps, fp32 or bf16
+    params alike, and equal to the wrapper's buffers): 8-bit 8 B/element (the scaled fp32 input
+    of each moment); 4-bit 26 B/element (per moment: the scaled fp32 input 4, the int64 codes
+    8, and the unpacked uint8 codes 1, which Inductor's ``cat`` lowering realises for an
+    extern ``aten.cat`` on CPU only, ``lowering.py`` ``cat``: "uint8 ... fallback" on cpu).
+  * CUDA (Triton scheduling; not measured on a GPU here: the wrapper Inductor generates with
+    ``cpu_backend="triton"``, which schedules and fuses as for CUDA, and CUDA's pointwise ``cat``
+    lowering): the unpacked codes are computed inline; the per-block absmax fuses with its
+    pointwise users and both moments' reductions share one kernel (``SIMDScheduling.can_fuse``:
+    same numel/rnumel). 4-bit: the packing runs over numel / 2 ("nodes numel
+    incompatibility"), so each moment's scaled fp32 input and int64 codes are written out and
+    alive together until their packing kernel: 24 B/element, plus the two fp32 per-block
+    scales (8 / block_size B/element). 8-bit: the new uint8 codes of each moment are staged
+    (the fused kernel still reads the old ones) and copied back: 2 B/element plus the scales.
 Note: a ``block_size`` given in ``optim_args`` reaches torchao as a string (transformers does not
 convert it) and the first step fails; it is read here as the integer it was meant to be.
 
@@ -58,8 +75,9 @@ if TYPE_CHECKING:
 
 MIN_QUANT_NUMEL = 4096
 DEFAULT_BLOCK = 256          # transformers' default for both 8-bit and 4-bit
-# bits -> (code bytes per element, qmap entries, CPU step bytes per element of a quantized param)
-_LAYOUT = {8: (1.0, 256, 8), 4: (0.5, 16, 26)}
+# bits -> (code bytes per element, qmap entries, step bytes per element of a quantized param on
+# CPU and on CUDA); CUDA adds the two fp32 per-block scales (module docstring)
+_LAYOUT = {8: (1.0, 256, 8, 2), 4: (0.5, 16, 26, 24)}
 
 
 def torchao_usable() -> bool:
@@ -82,7 +100,7 @@ def quantized(p: ParamInfo, block: int) -> bool:
 
 
 def _low_bit(bits: int) -> Callable[[Sequence[ParamInfo], OptimizerContext], OptimizerMemory]:
-    code_bytes, qmap, step_bytes = _LAYOUT[bits]
+    code_bytes, qmap, cpu_step, cuda_step = _LAYOUT[bits]
 
     def estimate(params: Sequence[ParamInfo], ctx: OptimizerContext) -> OptimizerMemory:
         block = int(ctx.optim_args.get("block_size", DEFAULT_BLOCK))
@@ -90,7 +108,9 @@ def _low_bit(bits: int) -> Callable[[Sequence[ParamInfo], OptimizerContext], Opt
         for p in params:
             if quantized(p, block):
                 per_moment = int(p.numel * code_bytes) + 4 * (p.numel // block) + 4 * qmap
-                transient = max(transient, step_bytes * p.numel)
+                step = cuda_step * p.numel + 2 * 4 * (p.numel // block) \
+                    if ctx.device_kind == "cuda" else cpu_step * p.numel
+                transient = max(transient, step)
             else:
                 per_moment = p.nbytes
             state += 2 * per_moment + STEP_TENSOR

@@ -57,8 +57,6 @@ class Unmodelled:
             all(str(get(k)) in map(str, vs) for k, vs in self.when.items())
 
 
-_CUDA_HEAD = ("on CUDA TRL's fused head scores only the labelled positions; the estimate scores "
-              "every position (an upper bound)")
 UNMODELLED: dict[str, Unmodelled] = {
     # transformers.TrainingArguments
     # TrainingArguments sets the backend itself when torch_compile is on (the torch_compile
@@ -110,8 +108,6 @@ UNMODELLED: dict[str, Unmodelled] = {
                                        "logits (one [tokens x experts] tensor per layer) for "
                                        "the load-balancing loss"),
     "eval_packing": Unmodelled("the eval batches' packing; the eval estimate follows `packing`"),
-    "completion_only_loss": Unmodelled(_CUDA_HEAD),
-    "assistant_only_loss": Unmodelled(_CUDA_HEAD),
     "disable_dropout": Unmodelled("whether DPOTrainer zeroes the model's dropout (saved dropout "
                                   "masks); the trace keeps the model's own dropout"),
     "precompute_ref_batch_size": Unmodelled(

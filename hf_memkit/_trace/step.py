@@ -38,7 +38,7 @@ from .._cuda.events import EventLog
 from .._cuda.target import CudaTarget
 from .._errors import HfMemkitError
 from .._model.adapters import LoraSpec, quantizable_linears
-from .._model.facts import layer_count
+from .._model.facts import block_stacks, layer_count
 from .quant import SimLinear4bit
 
 try:  # private torch APIs, fenced here and nowhere else
@@ -191,32 +191,22 @@ if MemTracker is not None:
                 self.log.gone(winfo.mk_key)
 
 
-def new_tracker(model: torch.nn.Module, inputs: list[Any],
-                log: EventLog | None = None) -> Any:
-    """A MemTracker over ``model`` and ``inputs`` (logging allocations into ``log``). torch's
-    MemTracker registers a gradient hook on every parameter and fails on frozen ones (a LoRA
-    base); those get a no-op handle."""
+def new_tracker(model: torch.nn.Module, inputs: list[Any], log: EventLog | None = None,
+                stacks: list[list[torch.nn.Module]] = ()) -> Any:
+    """A MemTracker over ``model`` and ``inputs`` (logging allocations into ``log``, each tagged
+    with the block of ``stacks`` it happens in). torch's MemTracker registers a gradient hook on
+    every parameter and fails on frozen ones (a LoRA base); those get a no-op handle."""
     mt = _GlobalPeakTracker()
     mt.log = log
+    if log is not None:
+        _tag_blocks(log, stacks)
+        log.context = _block_context(mt, stacks)
     mt.track_external(model, *inputs)
     modules = [model] + [x for x in inputs if isinstance(x, torch.nn.Module)]  # + a reference
     for p in (p for m in modules for p in m.parameters()):
         if not p.requires_grad:
             mt._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
     return mt
-
-
-def _block_stacks(models: Sequence[Any], n: int) -> list[list[torch.nn.Module]]:
-    """The model's stacks of ``n`` transformer blocks (``ModuleList``s of ``n`` modules of one
-    class: a decoder's layers; an encoder-decoder has two; a reference copy its own)."""
-    stacks, seen = [], set()
-    for m in (m for m in models if m is not None):
-        for sub in m.modules():
-            if (isinstance(sub, torch.nn.ModuleList) and len(sub) == n and id(sub) not in seen
-                    and len({type(b) for b in sub}) == 1):
-                seen.add(id(sub))
-                stacks.append(list(sub))
-    return stacks
 
 
 def _tag_blocks(log: EventLog, stacks: list[list[torch.nn.Module]]) -> None:
@@ -414,9 +404,8 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
         if ref is not None and reference == "copy" else 0
     weights = _nbytes(list(model.parameters()) + list(model.buffers())) + ref_bytes
     grads = _nbytes(params)
-    inputs = sum(t.numel() * t.element_size() for b in batches for t in b.values())
-
     all_inputs = [t for b in batches for t in b.values()]
+    inputs = sum(t.numel() * t.element_size() for t in all_inputs)
     phases: dict[str, int] = {}
     categories: dict[str, dict[str, int]] = {}
 
@@ -428,14 +417,11 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
 
     kernels: list[str] = []
     log = EventLog() if target is not None and not forward_only else None
-    stacks = _block_stacks([model, ref], layer_count(config)) if log is not None else []
+    stacks = block_stacks([model, ref], layer_count(config)) if log is not None else []
     for i in range(1 if forward_only else n_micro):
         # a fresh tracker per micro-step registers the gradients the previous one left as such
+        mt = new_tracker(model, all_inputs + ([ref] if ref is not None else []), log, stacks)
         if log is not None:
-            _tag_blocks(log, stacks)
-        mt = new_tracker(model, all_inputs + ([ref] if ref is not None else []), log)
-        if log is not None:
-            log.context = _block_context(mt, stacks)
             log.mark(f"micro{i}")
         with fm, mt, _unpacked_sequences(packed), emulate_cuda(target) as cuda_ops, \
                 trainer.context(target) if trainer is not None else contextlib.nullcontext():

@@ -55,6 +55,7 @@ class TraceStep:
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         from .offload import ActivationOffload
 
+        self.options: Mapping[str, Any] = options or {}
         self.offload = ActivationOffload(self.title) \
             if (options or {}).get("activation_offloading") else None
 
@@ -121,6 +122,14 @@ class TrainerKind:
 
     def notes(self, options: Mapping[str, Any]) -> list[str]:
         return []
+
+    def completion_problem(self, options: Mapping[str, Any]) -> str | None:
+        """Why ``estimate_memory(completion_len=...)`` does not apply (None: it does: the
+        trainer's head scores only the labelled positions on CUDA, ``fused_head``)."""
+        return (f"completion_len applies to TRL's SFTTrainer and DPOTrainer, whose fused head "
+                f"scores only the labelled positions on CUDA; {self.title} computes the model's "
+                "own loss over every position (drop completion_len, or pass trainer='sft' / "
+                "'dpo')")
 
     def unmodelled(self, options: Mapping[str, Any]) -> list[str]:
         """``"field: what it changes"`` for settings on in ``options`` it does not model."""

@@ -26,7 +26,7 @@ import torch
 
 from .base import BatchShape, TraceStep, TrlTrainerKind, padded_length, register
 from .data import preference_pair, token_rows, word_tokenizer
-from .fused_head import DPO_OUTPUTS, add_head, fold_context
+from .fused_head import DPO_OUTPUTS, add_head, fold_context, head_notes
 
 
 class DPOStep(TraceStep):
@@ -47,7 +47,7 @@ class DPOStep(TraceStep):
         add_head(model)                     # DPOTrainer: add_fused_lm_head(self.ref_model)
 
     def kernels(self, target: Any) -> Any:
-        return fold_context(target)
+        return fold_context(target, self.options)
 
     def loss(self, model: Any, batch: dict[str, Any], reference: Any = None) -> Any:
         out = model(**batch, fused_lm_head=True)
@@ -98,7 +98,10 @@ class DPO(TrlTrainerKind):
 
     def notes(self, options: Mapping[str, Any]) -> list[str]:
         return ["DPOTrainer: each example is a chosen and a rejected row (2 x micro-batch rows), "
-                "scored by TRL's fused log-prob head"]
+                "scored by TRL's fused log-prob head"] + head_notes(options, "the prompt")
+
+    def completion_problem(self, options: Mapping[str, Any]) -> str | None:
+        return None  # DPOTrainer labels only the completions (completion_mask)
 
     def run_problems(self, *, where: str, synthetic: bool, task: str | None,
                      callbacks: tuple[str, ...]) -> list[str]:

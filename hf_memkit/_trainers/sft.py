@@ -22,7 +22,7 @@ from typing import Any
 
 from .base import BatchShape, TraceStep, TrlTrainerKind, padded_length, register
 from .data import token_rows, word_tokenizer
-from .fused_head import SFT_OUTPUTS, add_head, fold_context
+from .fused_head import SFT_OUTPUTS, add_head, fold_context, head_notes
 
 
 class SFTStep(TraceStep):
@@ -37,7 +37,7 @@ class SFTStep(TraceStep):
         add_head(model, SFT_OUTPUTS)
 
     def kernels(self, target: Any) -> Any:
-        return fold_context(target)
+        return fold_context(target, self.options)
 
     def loss(self, model: Any, batch: dict[str, Any], reference: Any = None) -> Any:
         out = model(**batch, fused_lm_head=True)             # SFTTrainer.compute_loss
@@ -52,7 +52,8 @@ class SFT(TrlTrainerKind):
     title = "SFTTrainer"
     config_class = "trl.SFTConfig"
     fields = ("max_length", "packing", "packing_strategy", "padding_free", "loss_type",
-              "pad_to_multiple_of", "activation_offloading")
+              "pad_to_multiple_of", "activation_offloading", "completion_only_loss",
+              "assistant_only_loss")
     lengths_plan = True
 
     def read(self, get: Callable[[str], Any]) -> dict[str, Any]:
@@ -65,7 +66,24 @@ class SFT(TrlTrainerKind):
                 str(get("loss_type")),
                 "pad_to_multiple_of": get("pad_to_multiple_of"),
                 "packing_strategy": strategy if packing else None,
-                "activation_offloading": bool(get("activation_offloading"))}
+                "activation_offloading": bool(get("activation_offloading")),
+                # None: on for prompt-completion datasets (SFTTrainer._prepare_dataset)
+                "completion_only_loss": get("completion_only_loss"),
+                "assistant_only_loss": bool(get("assistant_only_loss"))}
+
+    def _masked(self, options: Mapping[str, Any]) -> str | None:
+        if options.get("assistant_only_loss"):
+            return "what is outside the assistant turns (assistant_only_loss)"
+        if options.get("completion_only_loss") is not False:
+            return "the prompt (completion_only_loss, on for prompt-completion data)"
+        return None
+
+    def completion_problem(self, options: Mapping[str, Any]) -> str | None:
+        if self._masked(options) is None:
+            return ("completion_len: SFTConfig(completion_only_loss=False) labels every token, "
+                    "so TRL's head scores every position; drop completion_len, or set "
+                    "completion_only_loss=True / assistant_only_loss=True")
+        return None
 
     def shape(self, options: Mapping[str, Any], batch: int, seq: int) -> BatchShape:
         if options.get("tokens"):  # the largest micro-batch of estimate_memory(lengths=...)
@@ -80,6 +98,9 @@ class SFT(TrlTrainerKind):
     def notes(self, options: Mapping[str, Any]) -> list[str]:
         notes = ["SFTTrainer: TRL's fused log-prob head (tiles of <= 4096 tokens x 32768 "
                  "vocab), not the model's logits and loss"]
+        explicit = options.get("completion_only_loss") or options.get("assistant_only_loss")
+        if explicit or options.get("completion_len"):
+            notes += head_notes(options, self._masked(options))
         if options.get("tokens"):
             notes.append(f"padding-free: the largest micro-batch of the given lengths, "
                          f"{options['tokens']} tokens in one row"

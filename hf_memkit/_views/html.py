@@ -11,7 +11,7 @@ from .text import PHASE_WORDS, estimate_title, plan_model_name, top_candidates, 
 
 _BAR = (("weights", "#4e79a7"), ("gradients", "#f28e2b"), ("optimizer", "#e15759"),
         ("activations", "#76b7b2"), ("temporaries", "#59a14f"), ("fragmentation", "#edc948"),
-        ("context", "#b07aa1"), ("optimizer_paged", "#ff9da7"))
+        ("context", "#b07aa1"), ("optimizer_paged_resident", "#ff9da7"))  # in device_used
 _MARGIN_CSS = "repeating-linear-gradient(45deg,#bab0ac 0 3px,#fff 3px 6px)"
 _BADGE = {"yes": ("#d1fae5", "#065f46", "fits"), "NO": ("#fee2e2", "#991b1b", "does not fit"),
           "unknown": ("#fef3c7", "#92400e", "fit unknown")}

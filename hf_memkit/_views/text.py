@@ -246,8 +246,10 @@ def estimate_table(est) -> Table:
     add_row(t, "fragmentation", format_bytes(est.breakdown.get("fragmentation", 0)), "")
     add_row(t, "= peak reserved", format_bytes(est.peak_reserved), "", style="cyan")
     add_row(t, "context", format_bytes(est.breakdown.get("context", 0)), "")
-    if est.breakdown.get("optimizer_paged"):
-        add_row(t, "paged optimizer", format_bytes(est.breakdown["optimizer_paged"]), "")
+    paged = est.breakdown.get("optimizer_paged", 0)
+    if paged:  # managed memory: only the pages the step needs at once count as device memory
+        add_row(t, "paged optimizer, step pages",
+                format_bytes(est.breakdown.get("optimizer_paged_resident", 0)), "")
     lo, hi = est.band
     add_row(t, "= device used", format_bytes(est.device_used),
             f"{format_bytes(lo)} .. {format_bytes(hi)}", style="bold green")
@@ -265,6 +267,9 @@ def estimate_table(est) -> Table:
             est.budget_basis)
     word, detail, style = verdict(est)
     add_row(t, "fits", word, detail, style=style)
+    if paged:
+        add_row(t, "paged optimizer state", format_bytes(paged),
+                "CUDA managed memory, outside device memory (paged to host when short)")
     t.caption = _text(f"peak in: {est.peak_phase}"
                       + (f" ({PHASE_WORDS[est.peak_phase]})" if est.peak_phase in PHASE_WORDS
                          else "") + "".join(f"\nnote: {n}" for n in est.notes))

@@ -40,7 +40,7 @@ NON_DEFAULT = {
     "eval_use_gather_object": True, "auto_find_batch_size": True, "full_determinism": True,
     "parallelism_config": {"tp_size": 2}, "debug": "underflow_overflow", "weight_decay": 0.1,
     "model_init_kwargs": {"dtype": "bfloat16"}, "router_aux_loss_coef": 0.0,
-    "eval_packing": True, "completion_only_loss": True, "assistant_only_loss": True,
+    "eval_packing": True,
     "disable_dropout": False, "precompute_ref_batch_size": 64, "ld_alpha": 0.5,
 }
 

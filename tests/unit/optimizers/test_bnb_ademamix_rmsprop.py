@@ -56,8 +56,8 @@ def test_paged_ademamix_pages_both_buffers_of_big_params_on_cuda_only():
     huge, below = ParamInfo(200_000, (200_000,), 4), ParamInfo(99_999, (99_999,), 4)
     blocks = -(-200_000 // 256)
     cuda = get_optimizer_profile("paged_ademamix_8bit").estimate([huge, below], CUDA)
-    assert cuda.paged == 3 * 200_000 + 4 * 3 * blocks      # >= 1e5 elements: managed memory
-    assert cuda.state == 3 * 99_999 + 4 * 3 * -(-99_999 // 256) + QMAPS
+    assert cuda.paged == cuda.paged_resident == 3 * 200_000   # >= 1e5 elements: managed memory
+    assert cuda.state == 3 * 99_999 + 4 * 3 * -(-99_999 // 256) + 4 * 3 * blocks + QMAPS
     cpu = get_optimizer_profile("paged_ademamix_8bit").estimate([huge, below], CPU)
     assert cpu.paged == 0 and cpu.state == cuda.state + cuda.paged
     assert get_optimizer_profile("paged_ademamix_32bit").estimate([huge], CUDA).paged == (

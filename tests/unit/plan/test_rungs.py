@@ -189,8 +189,10 @@ def test_trl_keeps_only_liger_layer_kernels():
     est = _quiet(mk.estimate_memory, CFG, sft, device=A100, trainer="sft")
     assert est.device_used == _quiet(mk.estimate_memory, CFG, layers, device=A100,
                                      trainer="sft").device_used
-    assert est.device_used < _quiet(mk.estimate_memory, CFG, dict(BASE, max_length=SEQ),
-                                    device=A100, trainer="sft").device_used
+    # the layer kernels lower the step's tensors (by ~200 MB here); device_used was within
+    # 0.2 MB of the plain run's, its fragmentation making up the difference
+    assert est.peak_allocated < _quiet(mk.estimate_memory, CFG, dict(BASE, max_length=SEQ),
+                                       device=A100, trainer="sft").peak_allocated
     with pytest.raises(mk.HfMemkitError, match="fused_linear_cross_entropy"):
         _quiet(mk.estimate_memory, CFG,
                dict(sft, liger_kernel_config={"fused_linear_cross_entropy": True}),
