@@ -5,8 +5,8 @@ anywhere. Models are built from configs with random weights (no downloads): bund
 ``hf_memkit/model_configs`` (read as JSON here) or public ``config.json`` hyperparameters written
 below (Qwen2.5-0.5B / 1.5B, gpt2-medium, t5-base), some shortened to keep the matrix short.
 
-Sizes are picked so that the whole matrix runs in about 6.5 minutes on one H100 (8 minutes at
-most): 47 cases, 43 without bitsandbytes, each ~6-12 s (the 7 TRL / Liger ones ~10-15 s: TRL's
+Sizes are picked so that the whole matrix runs in about 7 minutes on one H100 (8.5 minutes at
+most): 51 cases, 47 without bitsandbytes, each ~6-12 s (the 7 TRL / Liger ones ~10-15 s: TRL's
 import and dataset preparation), almost all of it the child process's start (imports, CUDA
 context, model init on the GPU); the 3 measured steps of every case take well under 2 s of GPU
 time (the largest, Qwen2.5-1.5B at 4 x 1024 tokens with checkpointing, does ~50 TFLOP per step).
@@ -153,6 +153,11 @@ class Case:
         "help": "use_liger_kernel=True (Liger's Triton kernels: a GPU only)."})
     trl_offload: bool = field(default=False, metadata={
         "help": "TRL's activation_offloading=True (sft / dpo only; needs an accelerator)."})
+    at_required: bool = field(default=False, metadata={
+        "help": "Cap the caching allocator at the estimate's `required` "
+                "(torch.cuda.set_per_process_memory_fraction((required - context) / total)): "
+                "issue #24's fit test says the step completes there, freeing cached blocks "
+                "instead of growing; the run records whether it did (a GPU only)."})
 
     def __post_init__(self) -> None:
         problems = []
@@ -214,6 +219,10 @@ class Case:
             parts.append("trl-offload")
         if self.accum > 1:
             parts.append(f"acc{self.accum}")
+        if self.steps != 3:
+            parts.append(f"{self.steps}steps")
+        if self.at_required:
+            parts.append("at-required")
         shape = f"b{self.batch}s{self.seq_len}" + (f"t{self.target_len}" if self.target_len else "")
         return ".".join([*parts, shape])
 
@@ -314,6 +323,13 @@ CASES: tuple[Case, ...] = (
     _c("llama-160m", "amp_bf16", trainer="dpo", method="lora", seq_len=512),
     _c("llama-160m", "amp_bf16", trainer="dpo", trl_offload=True),
     _c("qwen2-0.5b", "amp_bf16", trainer="sft", liger=True, ckpt=True),
+    # issue #24: how reserved grows over the steps (reserved after each step is recorded for
+    # every case; these run longer), and the allocator's fit test: the step capped at the
+    # estimate's smallest capacity must complete
+    _c("llama-160m", "amp_bf16", "adamw_torch_fused", batch=8, steps=8),
+    _c("qwen2-0.5b", "amp_bf16", ckpt=True, method="lora", seq_len=4096, steps=6),
+    _c("llama-160m", "amp_bf16", "adamw_torch_fused", batch=8, ckpt=True, at_required=True),
+    _c("qwen2-0.5b", "amp_bf16", ckpt=True, method="lora", seq_len=4096, at_required=True),
 )
 
 

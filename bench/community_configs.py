@@ -165,6 +165,7 @@ class Result:
     counted: bool
     longest: bool
     device_used: int = 0
+    required: int = 0
     upper: int = 0
     budget: int = 0
     fits: bool | None = None
@@ -191,6 +192,14 @@ class Result:
         return self.estimated_measure / self.published - 1
 
     @property
+    def under_beyond_band(self) -> bool | None:
+        """The published figure is above the estimate of that measure by more than the margin
+        (the estimate's 2 sigma): an under-prediction the band does not cover."""
+        if self.published is None or self.estimated_measure is None:
+            return None
+        return self.published - self.estimated_measure > self.margin
+
+    @property
     def centre_over_card(self) -> float:
         return self.device_used / self.card if self.card else 0.0
 
@@ -205,11 +214,12 @@ class Result:
             return f"upper {self.upper / GIB:.1f} <= budget {self.budget / GIB:.1f} ({parts})"
         if self.device_used > self.card:
             return f"centre over the card ({parts})"
-        if self.device_used > self.budget:
-            return f"centre within the card, over the 90% budget: headroom ({parts})"
+        need = f"needs {self.required / GIB:.2f} GiB with the cache freed"
+        if self.required > self.budget:
+            return f"{need}: within the card, over the budget: headroom ({parts})"
         if self.upper > self.card:
-            return f"centre fits the budget; the margin takes it over the card ({parts})"
-        return f"centre + margin within the card, over the budget: headroom ({parts})"
+            return f"{need}, within the budget; the margin takes it over the card ({parts})"
+        return f"{need}; + margin within the card, over the budget: headroom ({parts})"
 
 
 def run_row(row: dict[str, Any], do_plan: bool) -> Result:
@@ -233,6 +243,7 @@ def run_row(row: dict[str, Any], do_plan: bool) -> Result:
             r.seconds = time.perf_counter() - t0
             return r
         r.device_used, r.upper, r.budget, r.fits = est.device_used, est.upper, est.budget, est.fits
+        r.required = est.required
         r.breakdown, r.margin = dict(est.breakdown), est.margin
         if r.measure:
             r.estimated_measure = getattr(est, MEASURE_FIELD[r.measure])
@@ -263,6 +274,7 @@ def summarize(results: list[Result]) -> dict[str, Any]:
         "n_err": len(errs), "worst_err": max(errs, key=abs) if errs else None,
         "longest": {r.id: r.centre_over_card for r in longest},
         "longest_within_10pct": sum(abs(r.centre_over_card - 1) <= 0.10 for r in longest),
+        "under_beyond_band": [r.id for r in counted if r.under_beyond_band],
         "planned": len(planned), "no_plan": [r.id for r in ran if r.plan.get("status") == "none"],
         "bar_met": len(refused) <= 1 and not accepted,
     }
@@ -308,7 +320,9 @@ def markdown(results: list[Result], summary: dict[str, Any]) -> str:
         f"- known-OOM accepted: {len(s['accepted'])}/{s['oom']}"
         + (f" ({', '.join(s['accepted'])})" if s["accepted"] else ""),
         f"- median |error| of the estimate's figure of the published measure: {med} over "
-        f"{s['n_err']} rows (worst {worst})",
+        f"{s['n_err']} rows (worst {worst}); published above the estimate by more than its "
+        f"margin: {len(s['under_beyond_band'])}/{s['n_err']}"
+        + (f" ({', '.join(s['under_beyond_band'])})" if s["under_beyond_band"] else ""),
         "- longest published context, centre / card: "
         + (", ".join(f"{k} {v:.2f}" for k, v in s["longest"].items()) or "none")
         + f" ({s['longest_within_10pct']}/{len(s['longest'])} within 10% of the card)",

@@ -88,6 +88,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
@@ -169,9 +170,10 @@ def rel_sigma(rows) -> dict:
 
 
 def nonstate_sigma(rows, half: str = "fit") -> dict:
-    """What ``_cuda.CudaCalibration.rel_sigma`` is: RMS of (predicted - published) / (published -
-    weights - gradients) over one half's allocated rows (fp16 weights and gradients: 4 B per
-    parameter, exact from the parameter list; the uncertain part is the rest)."""
+    """RMS of (predicted - published) / (published - weights - gradients) over one half's
+    allocated rows (fp16 weights and gradients: 4 B per parameter, exact from the parameter
+    list; the uncertain part is the rest). Until issue #24 this was the CUDA band's one sigma;
+    printed for comparison with the band built from each term."""
     from hf_memkit import profile_model
 
     states = {}
@@ -186,6 +188,30 @@ def nonstate_sigma(rows, half: str = "fit") -> dict:
     if not rel:
         return {"n": 0}
     return {"n": len(rel), "rms": statistics.fmean(e * e for e in rel) ** 0.5, "worst": min(rel)}
+
+
+def band_check(rows) -> dict:
+    """Each allocated sdpa row against the estimate's band (issue #24): 2 sigma of the traced
+    part (what is not fp16 weights and gradients), sigma = hypot(traced_cpu_sigma,
+    traced_cuda_sigma) of ``_cuda.CudaCalibration``; per half: inside, and under-predicted
+    beyond the band."""
+    from hf_memkit import profile_model
+
+    c = _cuda.CALIBRATION
+    rel = math.hypot(c.traced_cpu_sigma, c.traced_cuda_sigma)
+    states, out = {}, {h: {"n": 0, "inside": 0, "under_beyond": 0} for h in HALVES}
+    for r in counted(rows):
+        if r.figure != "allocated" or not r.id.startswith("sdpa_"):
+            continue
+        name = next(n for n in MODELS.values() if n.replace("-", "") in r.id)
+        if name not in states:
+            states[name] = 4 * profile_model(name).total_params
+        margin = 2 * rel * max(0, r.predicted - states[name])
+        o = out[r.half]
+        o["n"] += 1
+        o["inside"] += abs(r.predicted - r.published) <= margin
+        o["under_beyond"] += r.published - r.predicted > margin
+    return out
 
 
 def print_rows(rows_t, rows_n, excluded) -> None:
@@ -277,10 +303,17 @@ def main(argv=None) -> int:
               "understates the band when the mean is far from 0)")
     ns = {h: nonstate_sigma(rows["script"], h) for h in HALVES}
     if ns["fit"]["n"]:
-        print(f"\nrel_sigma of the non-model-state part ('script' variant), the value _cuda/runtime.py "
-              f"uses: fit {ns['fit']['rms']:.3f} (n={ns['fit']['n']}), holdout "
-              f"{ns['holdout']['rms']:.3f} (worst {ns['holdout']['worst']:+.3f}); _cuda/runtime.py has "
-              f"{_cuda.CALIBRATION.rel_sigma}")
+        print(f"\nrel_sigma of the non-model-state part ('script' variant; the CUDA band's sigma "
+              f"before issue #24): fit {ns['fit']['rms']:.3f} (n={ns['fit']['n']}), holdout "
+              f"{ns['holdout']['rms']:.3f} (worst {ns['holdout']['worst']:+.3f})")
+    bands = {v: band_check(rows[v]) for v in ("none", "script")}
+    cal = _cuda.CALIBRATION
+    print(f"\nthe band (issue #24: 2 sigma of the traced part, sigma = hypot("
+          f"{cal.traced_cpu_sigma}, {cal.traced_cuda_sigma})), allocated rows:")
+    for v, b in bands.items():
+        for h in HALVES:
+            print(f"  {v:6s} {h:7s} n={b[h]['n']:2d}  inside the band {b[h]['inside']:2d}  "
+                  f"under-predicted beyond it {b[h]['under_beyond']:2d}")
     by_kind = print_by_kind(rows)
     head = {f: groups["none"][f]["holdout"] for f in FIGURES}
     print("\nHEADLINE (holdout half, no reconstruction terms):")
@@ -294,7 +327,7 @@ def main(argv=None) -> int:
             "groups": groups, "groups_alloc_const_0": zero_groups,
             "variants": VARIANTS,
             "rel_sigma_fit_no_terms": sig, "headline_holdout_no_terms": head,
-            "rel_sigma_nonstate_script": ns,
+            "rel_sigma_nonstate_script": ns, "band": bands,
             "holdout_by_kind": by_kind,
             "excluded": [{"id": i, "reason": w} for i, w in excluded],
             "calibration": dataclasses.asdict(cal)}, indent=1))

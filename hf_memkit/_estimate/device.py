@@ -23,9 +23,11 @@ from .allocation import full_depth_events, replay_step
 # CPU estimates: relative 1-sigma of the residuals of bench/estimator_cpu.py (26 real Trainer runs:
 # std 0.22%, worst 0.97%), rounded up to 0.5% for architectures the bench does not cover.
 CPU_REL_SIGMA = CALIBRATION.traced_cpu_sigma
-# the smallest-capacity search stops when its bracket is this narrow (the allocator's segments
-# are 2 MiB multiples; finer does not change a verdict)
+# the smallest-capacity search stops when its bracket is this narrow, or a sixteenth of what the
+# allocator adds with nothing pressing (its sigma is a third of that share: finer changes no
+# verdict), and answers the bracket's top: never below the smallest capacity
 FIT_RESOLUTION = 16 * MiB
+FIT_STEPS = 16
 
 
 @dataclass
@@ -65,14 +67,16 @@ def user_calibration(dev: DeviceInfo, runtime: CudaRuntime) -> Calibration | Non
 
 def smallest_capacity(events: list, params: tuple[int, ...], lo: int, hi: int,
                       **kw: Any) -> int:
-    """The smallest capacity (to ``FIT_RESOLUTION``) in [``lo``, ``hi``] at which the step's
-    replay completes without an OOM; ``hi`` (the unconstrained peak reserved) always does."""
+    """The smallest capacity (to ``FIT_RESOLUTION`` or a ``FIT_STEPS``th of ``hi - lo``) in
+    [``lo``, ``hi``] at which the step's replay completes without an OOM; ``hi`` (the
+    unconstrained peak reserved) always does."""
     def completes(cap: int) -> bool:
         return replay_step(events, params, capacity=cap, **kw).ooms == 0
 
     if completes(lo):
         return lo
-    while hi - lo > FIT_RESOLUTION:
+    resolution = max(FIT_RESOLUTION, (hi - lo) // FIT_STEPS)
+    while hi - lo > resolution:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if completes(mid) else (mid, hi)
     return hi

@@ -274,6 +274,9 @@ class _FakeStats:
         self.calls.append("reset")
         self.peak = 0
 
+    def reserved(self):
+        return 2 * self.peak
+
 
 class _FakeNvml:
     source = "fake"
