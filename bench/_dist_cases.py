@@ -24,7 +24,7 @@ LLAMA = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
 
 
 def _spec(name: str, mode: str, *, fsdp: dict[str, Any] | None = None,
-          **args: Any) -> dict[str, Any]:
+          dtype: str | None = None, **args: Any) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "name": name, "mode": mode, "config": LLAMA.to_dict(), "seq_len": SEQ_LEN,
         "steps": STEPS,
@@ -35,11 +35,13 @@ def _spec(name: str, mode: str, *, fsdp: dict[str, Any] | None = None,
     }
     if fsdp is not None:
         spec["fsdp"] = fsdp
+    if dtype is not None:  # the dtype the model is loaded in (default float32)
+        spec["dtype"] = dtype
     return spec
 
 
 def cases() -> list[dict[str, Any]]:
-    """~6 per-rank cases over ``NPROC`` gloo ranks; ``name`` is the row label (ignored by the
+    """~9 per-rank cases over ``NPROC`` gloo ranks; ``name`` is the row label (ignored by the
     measurement). FSDP2 cases wrap ``LlamaDecoderLayer`` as accelerate does."""
     wrap = ["LlamaDecoderLayer"]
     return [
@@ -53,6 +55,11 @@ def cases() -> list[dict[str, Any]]:
               fsdp={"reshard_after_forward": True, "offload": True,
                     "transformer_layer_cls_to_wrap": wrap}),
         _spec("fsdp2-full-shard-bf16", "fsdp2",
+              fsdp={"reshard_after_forward": True, "mixed_precision": "bf16",
+                    "transformer_layer_cls_to_wrap": wrap}),
+        # loaded in bf16 (dtype="auto" of a bf16 checkpoint), bf16=True: accelerate upcasts the
+        # trainable parameters to fp32 before sharding (fp32 master shards, grads, AdamW state)
+        _spec("fsdp2-full-shard-bf16-loaded", "fsdp2", dtype="bfloat16",
               fsdp={"reshard_after_forward": True, "mixed_precision": "bf16",
                     "transformer_layer_cls_to_wrap": wrap}),
         # DeepSpeed on its CPU accelerator (gloo), bf16, the Trainer's path with a client

@@ -195,7 +195,7 @@ def vs_runs(console: Console, measured_path: str | None) -> list[dict]:
             args["fsdp_config"] = dict(args["fsdp_config"], cpu_offload=False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            est = mk.estimate_memory(config, args, seq_len=spec["seq_len"],
+            est = mk.estimate_memory(config, args, seq_len=spec["seq_len"], dtype=spec.get("dtype"),
                                      device="cpu", num_gpus=_dist_cases.NPROC)
         pred = est.peak_allocated
         peak = m["peak"]

@@ -103,3 +103,42 @@ def make_fake_pynvml(gpus: list[FakeGpu], *, init_raises: bool = False,
 A100_80 = FakeGpu("NVIDIA A100-SXM4-80GB", 81920 * MiB, 80000 * MiB, (8, 0))
 V100_16 = FakeGpu("Tesla V100-SXM2-16GB", 16160 * MiB, 15000 * MiB, (7, 0))
 T4 = FakeGpu("Tesla T4", 15360 * MiB, 15000 * MiB, (7, 5))
+
+
+# ---------------------------------------------------------------------------------------------
+# Hand counts of a Llama's parameters from its config alone (never the estimator's own walk)
+# ---------------------------------------------------------------------------------------------
+
+def llama_counts(c) -> dict[str, int]:
+    """Parameter counts of a Llama from its config: the linears of one decoder layer
+    ((in, out) of q, k, v, o, gate, up, down), the norms and the two embeddings (untied)."""
+    h, i = c.hidden_size, c.intermediate_size
+    kv = c.num_key_value_heads * (h // c.num_attention_heads)
+    linears = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]
+    per_layer = sum(a * b for a, b in linears)
+    n_layers = c.num_hidden_layers
+    return {"linear": n_layers * per_layer, "norms": (2 * n_layers + 1) * h,
+            "embeddings": 2 * c.vocab_size * h, "linears": linears, "layers": n_layers,
+            "total": n_layers * per_layer + (2 * n_layers + 1) * h + 2 * c.vocab_size * h}
+
+
+def lora_count(c, r: int) -> int:
+    """LoRA on every linear of every layer: r x (in + out) each."""
+    k = llama_counts(c)
+    return k["layers"] * sum(r * (a + b) for a, b in k["linears"])
+
+
+def qlora_hand_count(config, r: int, world: int) -> dict[str, int]:
+    """One rank's bytes of FSDP-QLoRA, from the config: NF4 weights 2 per byte; double
+    quantization 1 B per 64-weight block + 4 B per 256 blocks (bitsandbytes quantize_4bit with
+    nested absmax); the rest of the base in bf16; fp32 adapters."""
+    def nested_absmax(n: int) -> int:
+        blocks = -(-n // 64)
+        return blocks + 4 * -(-blocks // 256)
+
+    k, a = llama_counts(config), lora_count(config, r)
+    packed = k["linear"] // 2
+    constants = k["layers"] * sum(nested_absmax(i * o) for i, o in k["linears"])
+    rest = 2 * (k["embeddings"] + k["norms"])
+    return {"packed": packed, "constants": constants, "rest": rest, "adapters": a,
+            "sharded": -(-(packed + rest + 4 * a) // world), "states": 4 * a + 8 * a}

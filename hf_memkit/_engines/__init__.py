@@ -15,6 +15,7 @@ from .base import (
     EmitContext,
     Engine,
     RankStates,
+    ReferenceSizes,
     Rung,
     Sharding,
     StateSizes,
@@ -50,7 +51,8 @@ def rank_states(sh: Sharding, sizes: StateSizes, *, facts: Any, device_kind: str
     return engine.rank_states(sh, sizes, facts, device_kind)
 
 
-__all__ = ["ENGINES", "EmitContext", "Engine", "FSDP_CONFIG_KEYS", "RankStates", "Rung",
+__all__ = ["ENGINES", "EmitContext", "Engine", "FSDP_CONFIG_KEYS", "RankStates",
+           "ReferenceSizes", "Rung",
            "Sharding", "StateSizes", "all_rungs", "comm_bytes_per_step", "comm_seconds",
            "deepspeed_config_for", "engine_choices", "fsdp_config_for", "fsdp_plugin_args",
            "launch_commands", "rank_states", "sharding_from_args", "validate_deepspeed_config",

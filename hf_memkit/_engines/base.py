@@ -77,12 +77,30 @@ class RankStates:
 class StateSizes:
     """What ``Engine.rank_states`` shares out: the unsharded model states of one replica."""
 
-    weight_bytes: int            # weights in the load dtype (incl. buffers, quant constants)
+    weight_bytes: int            # weights (trainable ones in the master dtype, the rest in the
+    #                              load dtype; incl. buffers and quant constants)
     grad_bytes: int
     n_trainable: int
     optimizer_state: int
     optimizer_transient: int
     load_itemsize: int
+    # parts of weight_bytes a sharding engine may treat apart (``ModelSpec.weight_parts``)
+    buffers: int = 0             # registered buffers
+    packed_4bit: int = 0         # NF4 weights of a 4-bit base (2 per byte)
+    quant_constants: int = 0     # their absmax blocks: the quant_state, not a parameter
+    storage_floating: bool = False  # bnb_4bit_quant_storage is a float dtype (shardable)
+    upcast: int = 0              # trainable elements held in fp32 instead of their load dtype
+
+
+@dataclass(frozen=True)
+class ReferenceSizes:
+    """A frozen reference model (DPO's copy of the policy) as the trainer loads it."""
+
+    weight_bytes: int            # in its load dtype, buffers included
+    n_params: int                # elements (parameters and buffers)
+    load_itemsize: int
+    numels: tuple[int, ...] = ()  # each parameter's elements (ZeRO-3 persistence)
+    hidden: int = 0              # the model's hidden size (TRL sizes ZeRO-3 buckets by it)
 
 
 @dataclass(frozen=True)
@@ -96,6 +114,7 @@ class Rung:
     offload_params: bool = False
     offload_optimizer: bool = False
     shards_params: bool = False           # frozen weights shard too (a LoRA base)
+    shards_4bit: bool = False             # a 4-bit base (float quant storage) shards too
     precisions: tuple[str, ...] | None = None  # None: any precision
     replica: bool = False                 # every rank holds a full replica (DDP)
 
@@ -135,6 +154,8 @@ class Engine:
     launch_flag = ""        # `accelerate launch` flag
     config_file: str | None = None  # the config file `launch_commands` names (DeepSpeed's)
     fields: tuple[str, ...] = ()    # the TrainingArguments fields it reads (field coverage)
+    holds_masters = False   # its (sharded) parameters are the optimizer's fp32 masters: the
+    #                         trainable weights and gradients take ``master_itemsize`` too
 
     def selected(self, get) -> bool:
         """Whether TrainingArguments (``get(field)``) ask for this engine."""
@@ -160,6 +181,16 @@ class Engine:
     def rank_states(self, sh: Sharding, sizes: StateSizes, facts: Any,
                     device_kind: str) -> RankStates:
         raise NotImplementedError
+
+    def master_itemsize(self, sh: Sharding, itemsize: int, quantized_4bit: bool) -> int:
+        """Bytes per element of a trainable parameter of ``itemsize`` as the optimizer steps it
+        (the optimizer's state follows its dtype); ``quantized_4bit``: the base is 4-bit."""
+        return itemsize
+
+    def reference_share(self, sh: Sharding, ref: ReferenceSizes, facts: Any) -> tuple[int, int]:
+        """(bytes one rank holds of a trainer's frozen reference model through the step, bytes
+        its forward gathers on top): a replica on every rank by default."""
+        return ref.weight_bytes, 0
 
     def grads_sharded(self, sh: Sharding) -> bool:
         """Gradients are reduce-scattered layer by layer during the backward."""

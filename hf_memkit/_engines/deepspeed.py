@@ -8,7 +8,17 @@ those stay live up to ``stage3_max_live_parameters`` and are counted as a forwar
 transient). ZeRO-1 partitions only master weights, moments and fp32 gradients (16 B / N) and
 keeps 16-bit gradients whole. ``offload_optimizer`` moves master weights, moments and gradient
 partitions to the host; ``offload_param`` (stage 3) the 16-bit partitions too. Reduce /
-all-gather / prefetch buckets are counted as temporaries.
+all-gather / prefetch buckets are counted as temporaries. The optimizer steps the fp32 master
+partitions, so its state is fp32 whatever dtype the model was loaded in.
+
+A trainer's reference model (TRL's ``prepare_deepspeed``, ``trl/models/utils.py``): under ZeRO-3
+it is initialised as a ZeRO-3 engine without an optimizer (``DeepSpeedZeRoOffload``), its
+parameters cast to the 16-bit dtype and partitioned over the ranks; TRL sets its
+``stage3_param_persistence_threshold`` to 10 x hidden (parameters at most that large stay whole
+after their first gather) and its prefetch bucket to 0.9 x hidden^2 elements, and keeps
+``offload_param``. Its forward gathers a module at a time plus the prefetch bucket and releases
+them after use (``PartitionedParameterCoordinator.release_sub_module``). Under ZeRO-0/1/2 TRL
+sets the reference's stage to 0: a whole 16-bit replica on every rank.
 """
 
 from __future__ import annotations
@@ -18,7 +28,16 @@ from typing import Any
 
 from .._errors import ConfigError
 from . import base
-from .base import EmitContext, Engine, RankStates, Rung, Sharding, StateSizes, register
+from .base import (
+    EmitContext,
+    Engine,
+    RankStates,
+    ReferenceSizes,
+    Rung,
+    Sharding,
+    StateSizes,
+    register,
+)
 
 # DeepSpeed defaults the planner writes explicitly (HF's "auto" values: hidden^2 and 0.9 hidden^2).
 DS_ALLGATHER_BUCKET = int(5e8)
@@ -115,6 +134,18 @@ class DeepSpeed(Engine):
             r.host += base.ceil_div(params16, n)
             r.weights = gathered
         return r
+
+    def master_itemsize(self, sh: Sharding, itemsize: int, quantized_4bit: bool) -> int:
+        return 4 if sh.mixed_precision else itemsize  # the fp32 master partitions
+
+    def reference_share(self, sh: Sharding, ref: ReferenceSizes, facts: Any) -> tuple[int, int]:
+        p = 2 if sh.mixed_precision else ref.load_itemsize   # the engine casts it to 16-bit
+        if sh.stage < 3:
+            return ref.n_params * p, 0
+        persistent = sum(x for x in ref.numels if x <= 10 * ref.hidden)   # TRL's threshold
+        shard = 0 if sh.offload_params else base.ceil_div(ref.n_params * p, max(1, sh.world_size))
+        fetched = min(facts.module_params + int(0.9 * ref.hidden * ref.hidden), ref.n_params)
+        return shard + persistent * p, fetched * p
 
     def grads_sharded(self, sh: Sharding) -> bool:
         return sh.stage >= 2

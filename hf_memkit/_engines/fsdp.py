@@ -2,20 +2,40 @@
 
 ``fully_shard`` on every ``transformer_layer_cls_to_wrap`` module, the input embedding as its own
 unit, ``[final norm, lm_head]`` as a tail unit that is not resharded after forward, then the root.
-Parameters stay in their load dtype, upcast to fp32 when ``mixed_precision != "no"`` (fp32
-master shards); ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)`` makes the gathered
-copies and the unsharded gradients 16-bit. Sharded: weights, gradients and optimizer state / N.
-Transient: the gathered layers (the current one, the prefetched one on CUDA, where all-gathers
-run on their own stream), the tail, one layer's unsharded gradients plus its reduce-scatter
-input. ``reshard_after_forward=False`` (SHARD_GRAD_OP, ZeRO-2 semantics) keeps every layer
-gathered from its forward to its backward. ``CPUOffloadPolicy`` moves parameters, gradients and
-optimizer state to the host together. With gradient accumulation the Trainer skips the
-reduce-scatter on non-final micro-steps (``accelerator.no_sync`` ->
-``set_requires_gradient_sync(False)``), which keeps *unsharded* gradients;
-``accelerator_config.gradient_accumulation_kwargs.sync_each_batch=True`` avoids it.
-accelerate's ``activation_checkpointing_offload`` (pinned host copies of each checkpointed
-layer's input) is read from the environment (``checkpoint_offload``) and modelled by the
-``checkpoint_offload`` technique.
+
+Precision. With ``mixed_precision != "no"`` (``bf16=True`` / ``fp16=True``) accelerate first
+upcasts every *trainable* parameter that is not fp32 to fp32 (``fsdp2_prepare_model``: "Upcast to
+fp32 master weights"; FSDP1 does the same per flat parameter in ``Accelerator.prepare_model``),
+so a model loaded in bf16 (or ``dtype="auto"``) holds fp32 sharded weights, fp32 sharded
+gradients and fp32 optimizer state for what it trains: 16 B per trainable parameter with AdamW,
+not 8 (``master_itemsize``). Frozen parameters (a LoRA base) keep their load dtype. A model with
+any bitsandbytes ``Params4bit`` is not upcast at all (FSDP2 skips the whole step; its adapters
+keep their dtype, fp32 as peft makes them). ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``
+(``FullyShardedDataParallelPlugin.set_mixed_precision``; for QLoRA transformers'
+``update_fsdp_plugin_peft`` sets both to ``bnb_4bit_quant_storage``) makes the gathered copies and
+the unsharded gradients 16-bit, and each rank computes in it without autocast.
+
+A 4-bit base: ``Params4bit`` stored in a float dtype (``bnb_4bit_quant_storage=torch.bfloat16``,
+the FSDP-QLoRA recipe) is sharded like any parameter and gathered packed (2 weights per byte);
+with the default uint8 storage accelerate leaves it out of FSDP (``ignored_params``), whole on
+every rank. The absmax blocks live in the ``quant_state``, not a parameter: whole on every rank,
+as are buffers, which ``fully_shard`` does not shard.
+
+Sharded: weights, gradients and optimizer state / N. Transient: the gathered layers (the current
+one, the prefetched one on CUDA, where all-gathers run on their own stream), the tail, one
+layer's unsharded gradients (of what it trains) plus its reduce-scatter input.
+``reshard_after_forward=False`` (SHARD_GRAD_OP, ZeRO-2 semantics) keeps every layer gathered from
+its forward to its backward. ``CPUOffloadPolicy`` moves parameters, gradients and optimizer state
+to the host together. With gradient accumulation the Trainer skips the reduce-scatter on
+non-final micro-steps (``accelerator.no_sync`` -> ``set_requires_gradient_sync(False)``), which
+keeps *unsharded* gradients; ``accelerator_config.gradient_accumulation_kwargs.sync_each_batch=
+True`` avoids it. accelerate's ``activation_checkpointing_offload`` (pinned host copies of each
+checkpointed layer's input) is read from the environment (``checkpoint_offload``) and modelled by
+the ``checkpoint_offload`` technique.
+
+A trainer's reference model (TRL's ``prepare_fsdp``, ``trl/models/utils.py``): FSDP2 applies
+``fully_shard`` to its root alone, with the plugin's resharding, offload and mixed precision and no
+upcast, so each rank keeps 1/N of it and its forward gathers the whole of it at once.
 """
 
 from __future__ import annotations
@@ -27,7 +47,16 @@ from typing import Any
 
 from .._errors import ConfigError, did_you_mean
 from . import base
-from .base import EmitContext, Engine, RankStates, Rung, Sharding, StateSizes, register
+from .base import (
+    EmitContext,
+    Engine,
+    RankStates,
+    ReferenceSizes,
+    Rung,
+    Sharding,
+    StateSizes,
+    register,
+)
 
 # fsdp_config keys transformers 5.x reads (TrainingArguments._process_fsdp_args; a leading
 # "fsdp_" is stripped first). TrainingArguments accepts any other key silently, so a typo would
@@ -51,10 +80,11 @@ FSDP_CONFIG_KEYS = {
     "xla": "PyTorch/XLA FSDP", "xla_fsdp_v2": "PyTorch/XLA FSDPv2",
     "xla_fsdp_grad_ckpt": "PyTorch/XLA checkpointing", "xla_fsdp_settings": "PyTorch/XLA settings",
 }
-RUNGS = [Rung("fsdp-grad-op", "FSDP2 shard-grad-op", "fsdp", 2, shards_params=True),
-         Rung("fsdp-full", "FSDP2 full shard", "fsdp", 3, shards_params=True),
+RUNGS = [Rung("fsdp-grad-op", "FSDP2 shard-grad-op", "fsdp", 2, shards_params=True,
+              shards_4bit=True),
+         Rung("fsdp-full", "FSDP2 full shard", "fsdp", 3, shards_params=True, shards_4bit=True),
          Rung("fsdp-offload", "FSDP2 full shard + offload", "fsdp", 3, offload_params=True,
-              offload_optimizer=True, shards_params=True)]
+              offload_optimizer=True, shards_params=True, shards_4bit=True)]
 
 
 AC_OFFLOAD_ENV = "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD"
@@ -107,6 +137,7 @@ class FSDP(Engine):
     sharded = True
     default_sharding = True
     owns_checkpointing = True   # fsdp_config's activation_checkpointing, as transformers asks
+    holds_masters = True        # the sharded parameters are the (upcast) fp32 masters
     launch_flag = "--use_fsdp"
     fields = ("fsdp", "fsdp_config", "accelerator_config")
 
@@ -140,35 +171,66 @@ class FSDP(Engine):
                        "fsdp2_prepare_model)")
         return out
 
+    def master_itemsize(self, sh: Sharding, itemsize: int, quantized_4bit: bool) -> int:
+        # fsdp2_prepare_model: `mixed_precision != "no" and not model_has_params4bit` upcasts
+        # every trainable parameter that is not fp32
+        return 4 if sh.mixed_precision and not quantized_4bit else itemsize
+
     def rank_states(self, sh: Sharding, sizes: StateSizes, facts: Any,
                     device_kind: str) -> RankStates:
         n, t = max(1, sh.world_size), sizes.n_trainable
-        gather = 2 if sh.mixed_precision else sizes.load_itemsize
-        red = 2 if sh.mixed_precision else 4
-        L, T = facts.layer_params, facts.tail_params
+        gather = 2 if sh.mixed_precision else sizes.load_itemsize   # MixedPrecisionPolicy
+        red = 2 if sh.mixed_precision else (sizes.grad_bytes // t if t else 4)
+        # bytes of one gathered layer: its packed 4-bit weights (float storage) as they are
+        q = facts.layer_quantizable if sizes.packed_4bit else 0
+        layer = (facts.layer_params - q) * gather + (q // 2 if sizes.storage_floating else 0)
+        tail = facts.tail_params * gather
         in_flight = 2 if device_kind == "cuda" else 1  # CPU: no separate all-gather stream
         # backward: the tail's unsharded weight and gradient at its start, later two gathered
-        # layers (current + prefetched) and one layer's unsharded gradient + reduce-scatter
-        # input; the tail reshards after its own backward, so the two never coexist
-        unit = max((T, T), (2 * L, 2 * L), key=lambda u: u[0] * gather + u[1] * red)
+        # layers (current + prefetched) and one layer's unsharded gradients (of what it trains)
+        # + reduce-scatter input; the tail reshards after its own backward, so the two never
+        # coexist
+        unit = max((tail, facts.tail_trainable * red),
+                   (2 * layer, 2 * facts.layer_trainable * red), key=sum)
         if sh.stage == 3:
-            fwd, bwd = (T + in_flight * L) * gather, unit[0] * gather
+            fwd, bwd = tail + in_flight * layer, unit[0]
         else:  # every layer stays gathered from its forward to its backward
-            fwd = bwd = facts.total_params * gather
+            packed = sizes.packed_4bit if sizes.storage_floating else 0
+            fwd = bwd = (facts.total_params - 2 * sizes.packed_4bit) * gather + packed
+        # whole on every rank: buffers, the 4-bit quant_state, 4-bit weights FSDP leaves out
+        whole = sizes.buffers + sizes.quant_constants + \
+            (0 if sizes.storage_floating else sizes.packed_4bit)
         r = RankStates(
-            weights=base.ceil_div(sizes.weight_bytes, n), gradients=base.ceil_div(sizes.grad_bytes, n),
+            weights=base.ceil_div(sizes.weight_bytes - whole, n) + whole,
+            gradients=base.ceil_div(sizes.grad_bytes, n),
             optimizer=base.ceil_div(sizes.optimizer_state, n),
             optimizer_transient=base.ceil_div(sizes.optimizer_transient, n),
-            gathered_forward=fwd, gathered_backward=bwd,
-            grad_buffers=unit[1] * red if t else 0)
+            gathered_forward=fwd, gathered_backward=bwd, grad_buffers=unit[1] if t else 0)
         if not sh.sync_each_batch:
-            r.accum_gradients = t * gather + r.gradients
+            r.accum_gradients = t * red + r.gradients
+        if sizes.upcast:
+            r.notes.append(f"accelerate upcasts the {sizes.upcast:,} trainable low-precision "
+                           "parameters to fp32 under FSDP mixed precision: fp32 master shards, "
+                           "fp32 gradient shards and fp32 optimizer state (computed in 16-bit)")
+        if sizes.packed_4bit and not sizes.storage_floating:
+            r.notes.append("the 4-bit base is stored as uint8, which accelerate leaves out of "
+                           "FSDP2: every rank holds all of it (bnb_4bit_quant_storage="
+                           "torch.bfloat16 lets FSDP shard it)")
         if sh.offload_params:  # CPUOffloadPolicy: all three together
-            r.host = r.weights + r.gradients + r.optimizer
-            r.weights = r.gradients = r.optimizer = r.optimizer_transient = 0
+            r.host = r.weights - whole + r.gradients + r.optimizer
+            r.weights, r.gradients, r.optimizer, r.optimizer_transient = whole, 0, 0, 0
             if r.accum_gradients is not None:
-                r.accum_gradients = t * gather
+                r.accum_gradients = t * red
         return r
+
+    def reference_share(self, sh: Sharding, ref: ReferenceSizes, facts: Any) -> tuple[int, int]:
+        # TRL's prepare_fsdp: fully_shard(ref) on the root alone, one unit of every parameter
+        n = max(1, sh.world_size)
+        gathered = ref.n_params * (2 if sh.mixed_precision else ref.load_itemsize)
+        shard = 0 if sh.offload_params else base.ceil_div(ref.weight_bytes, n)
+        if sh.stage == 2:  # not resharded after a forward that no backward follows
+            return shard + gathered, 0
+        return shard, gathered
 
     def grads_sharded(self, sh: Sharding) -> bool:
         return True

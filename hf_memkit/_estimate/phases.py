@@ -25,7 +25,7 @@ import torch
 from .._cuda.runtime import cuda_runtime
 from .._cuda.target import CudaTarget
 from .._device.probe import DeviceInfo
-from .._engines import ENGINES, RankStates, StateSizes, rank_states
+from .._engines import RankStates, ReferenceSizes, StateSizes, rank_states
 from .._errors import HfMemkitError
 from .._model.spec import ModelSpec
 from .._model.tasks import TASKS
@@ -73,13 +73,25 @@ def states_for(spec: ModelSpec, setup: TrainingSetup,
     """One rank's model states and the optimizer's memory for ``setup`` (the planner's cheap
     bound uses it alone, before any trace)."""
     weights, trainable = spec.states()
+    sh, engine = setup.sharding, setup.engine
+    # the dtype the optimizer steps each trainable parameter in (Engine.master_itemsize: FSDP's
+    # fp32 upcast under mixed precision, DeepSpeed's fp32 master partitions)
+    master = [dataclasses.replace(p, itemsize=engine.master_itemsize(sh, p.itemsize,
+                                                                     spec.quant_bits == 4))
+              for p in trainable]
     om = get_optimizer_profile(setup.optim).estimate(
-        trainable, OptimizerContext(device_kind=dev.kind, optim_args=setup.optim_args))
-    sizes = StateSizes(weights, sum(p.nbytes for p in trainable),
-                       sum(p.numel for p in trainable), om.state, om.transient,
-                       spec.dtype.itemsize)
-    sh = setup.sharding
-    facts = spec.facts() if ENGINES.get(sh.engine).sharded else None
+        master, OptimizerContext(device_kind=dev.kind, optim_args=setup.optim_args))
+    held = master if engine.holds_masters else trainable
+    parts = spec.weight_parts()
+    sizes = StateSizes(weights + sum(m.nbytes - p.nbytes for m, p in zip(held, trainable,
+                                                                         strict=True)),
+                       sum(p.nbytes for p in held), sum(p.numel for p in trainable), om.state,
+                       om.transient, spec.dtype.itemsize, buffers=parts.buffers,
+                       packed_4bit=parts.packed_4bit, quant_constants=parts.quant_constants,
+                       storage_floating=parts.storage_floating,
+                       upcast=sum(p.numel for m, p in zip(held, trainable, strict=True)
+                                  if m.itemsize != p.itemsize))
+    facts = spec.facts() if engine.sharded else None
     return rank_states(sh, sizes, facts=facts, device_kind=dev.kind), om
 
 
@@ -114,12 +126,13 @@ def technique_host_bytes(spec: ModelSpec, setup: TrainingSetup, seq_len: int, *,
 
 def trace_variant(spec: ModelSpec, setup: TrainingSetup) -> tuple[ModelSpec, TrainingSetup]:
     """What each rank computes with: engines that gather or keep 16-bit parameters under mixed
-    precision (``Engine.traces_half``) run a 16-bit model without autocast copies."""
-    if (not setup.amp or spec.dtype != torch.float32 or spec.quant_bits
-            or not setup.engine.traces_half(setup.sharding)):
+    precision (``Engine.traces_half``) run a 16-bit model without autocast, whatever dtype it
+    was loaded in (FSDP upcasts a 16-bit model's trainable parameters to fp32 and gathers them
+    in 16-bit again)."""
+    if not setup.amp or spec.quant_bits or not setup.engine.traces_half(setup.sharding):
         return spec, setup
     half = torch.bfloat16 if setup.amp == "bf16" else torch.float16
-    return spec.in_dtype(half), setup.replace(amp=None)
+    return (spec if spec.dtype == half else spec.in_dtype(half)), setup.replace(amp=None)
 
 
 @dataclass
@@ -131,7 +144,8 @@ class _Step:
     rs: RankStates
     grad_factor: float
     G_acc: int
-    reference: int = 0   # a DPO reference model's weights, held through the step
+    reference: int = 0   # a DPO reference model's share on this rank, held through the step
+    ref_gather: int = 0  # ... and what its forward gathers (in the forward phases)
 
 
 def _train_phases(ex: Excess, xp: dict[str, int], rs: RankStates) -> dict[str, int]:
@@ -150,7 +164,7 @@ def _train_phases(ex: Excess, xp: dict[str, int], rs: RankStates) -> dict[str, i
 
 
 def _step(spec: ModelSpec, trace_spec: ModelSpec, setup: TrainingSetup, ex: Excess,
-          rs: RankStates, stage: str, ref: int = 0) -> _Step:
+          rs: RankStates, stage: str, ref: tuple[int, int] = (0, 0)) -> _Step:
     xp = dict(ex.phases)
     trainable = spec.states()[1]
     # gradients made during the backward are reduce-scattered layer by layer: one rank keeps
@@ -175,18 +189,30 @@ def _step(spec: ModelSpec, trace_spec: ModelSpec, setup: TrainingSetup, ex: Exce
     else:
         phases = {"eval forward": rs.weights + ex.inputs + rs.optimizer + rs.buckets
                   + rs.gathered_forward + xp["eval"]}
-    return _Step({k: v + ref for k, v in phases.items()}, ex, rs, grad_factor, G_acc, ref)
+    held, gather = ref  # the reference forward runs inside the step's forward
+    return _Step({k: v + held + (gather if "forward" in k else 0) for k, v in phases.items()},
+                 ex, rs, grad_factor, G_acc, held, gather)
 
 
-def reference_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
-    """The weights of the trainer's separate reference model (DPO without PEFT): a frozen copy
-    of the policy as loaded (its base, without adapters, when the user passes one to a PEFT
-    policy), whole on every rank."""
+def reference_share(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, int]:
+    """The trainer's separate reference model (DPO without PEFT): a frozen copy of the policy as
+    loaded (its base, without adapters, when the user passes one to a PEFT policy), prepared by
+    the engine (``Engine.reference_share``: a replica, or sharded by ZeRO-3 / FSDP). Returns the
+    bytes one rank holds through the step and those its forward gathers on top."""
     kind = setup.trainer_kind
     if kind.reference(setup.trainer_options, spec.lora is not None) != "copy":
-        return 0
+        return 0, 0
     weights, trainable = spec.states()
-    return weights - (sum(p.nbytes for p in trainable) if spec.lora is not None else 0)
+    adapters = sum(p.nbytes for p in trainable) if spec.lora is not None else 0
+    numels = tuple(p.numel() for p in spec.meta.parameters()
+                   if spec.lora is None or not p.requires_grad)
+    buffers = spec.weight_parts().buffers
+    ref = ReferenceSizes(weights - adapters, sum(numels) + buffers // spec.dtype.itemsize,
+                         spec.dtype.itemsize, numels,
+                         int(getattr(spec.config.get_text_config(), "hidden_size", 0) or 0))
+    engine = setup.engine
+    return engine.reference_share(setup.sharding, ref,
+                                  spec.facts() if engine.sharded else None)
 
 
 def _eval_logits_note(spec: ModelSpec, setup: TrainingSetup, seq_len: int,
@@ -215,7 +241,8 @@ def _breakdown(step: _Step, phase: str) -> dict[str, int]:
         grads_now += int(traced * step.grad_factor) if phase == "backward" else traced
     gathered = rs.gathered_backward if phase.startswith("backward") else \
         0 if phase == "optimizer step" else rs.gathered_forward
-    parts = {"weights": rs.weights + gathered + step.reference,
+    ref = step.reference + (step.ref_gather if "forward" in phase else 0)
+    parts = {"weights": rs.weights + gathered + ref,
              "gradients": grads_now + rs.buckets,
              "optimizer": rs.optimizer, "activations": cats.get("Activation", 0)}
     parts["temporaries"] = step.phases[phase] - sum(parts.values())
@@ -258,10 +285,12 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
         rs = dataclasses.replace(rs, optimizer=0, optimizer_transient=0)
         om = dataclasses.replace(om, state=0, transient=0, paged=0, paged_resident=0)
     notes += _state_notes(setup, rs, om, dev)
-    ref = reference_bytes(spec, setup)
-    if ref:
-        notes.append(f"the reference model: a frozen copy ({format_bytes(ref)}) held on the "
-                     "device (precompute_ref_log_probs=True or a PEFT policy frees it)")
+    ref = reference_share(spec, setup)
+    if ref[0] or ref[1]:
+        notes.append(f"the reference model: a frozen copy, {format_bytes(ref[0])} held on this "
+                     "rank" + (f" and {format_bytes(ref[1])} gathered for its forward"
+                               if ref[1] else "") +
+                     " (precompute_ref_log_probs=True or a PEFT policy frees it)")
     trace_spec, trace_setup = trace_variant(spec, setup)
     kw = dict(seq_len=seq_len, stage=stage, target_len=target_len, padded=padded, target=target)
     if cache is None:

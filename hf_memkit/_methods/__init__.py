@@ -1,7 +1,7 @@
 """Fine-tuning methods, one registered ``Method`` per file; import order is the ladder."""
 
 # isort: off
-from . import full, lora, lora_8bit, qlora  # noqa: F401  (registers, in ladder order)
+from . import full, lora, lora_8bit, qlora, qlora_fsdp  # noqa: F401  (registers, in ladder order)
 # isort: on
 from .base import LORA_DEFAULTS, METHODS, Method, ladder, method_choices, register
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .._errors import HfMemkitError
+from .adapters import quantizable_linears
 
 # Config keys that give a model's depth, under the names different families use (one list for
 # profile_model and the trace's depth).
@@ -30,6 +31,9 @@ class ModelFacts:
     module_params: int         # largest single module's own parameters (DeepSpeed ZeRO-3 gather)
     layer_class: str | None    # the class FSDP auto-wraps
     tied: bool = False
+    layer_trainable: int = 0   # trainable parameters of that layer (all of it, or its adapters)
+    tail_trainable: int = 0    # ... of the tail unit
+    layer_quantizable: int = 0  # weights of that layer's linears a 4-bit base quantizes
 
 
 def model_facts(meta: torch.nn.Module) -> ModelFacts:
@@ -40,7 +44,8 @@ def model_facts(meta: torch.nn.Module) -> ModelFacts:
     if layers:
         layer_cls = max({type(m).__name__ for m in layers},
                         key=lambda n: sum(1 for m in layers if type(m).__name__ == n))
-    layer_params = max((sum(p.numel() for p in m.parameters()) for m in layers), default=0)
+    largest = max(layers, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
+    layer_params = sum(p.numel() for p in largest.parameters()) if largest is not None else 0
     inp = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
     out = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     tied = inp is not None and out is not None and out.weight is inp.weight
@@ -50,7 +55,14 @@ def model_facts(meta: torch.nn.Module) -> ModelFacts:
     seen = {id(p): p.numel() for p in base.parameters()}
     module_params = max((sum(p.numel() for p in m.parameters(recurse=False))
                          for m in base.modules()), default=0)
-    return ModelFacts(sum(seen.values()), layer_params, tail, module_params, layer_cls, tied)
+
+    def trainable(m: Any) -> int:
+        return sum(p.numel() for p in m.parameters() if p.requires_grad) if m is not None else 0
+
+    quantizable = sum(lin.weight.numel() for _, lin in quantizable_linears(largest)) \
+        if largest is not None else 0
+    return ModelFacts(sum(seen.values()), layer_params, tail, module_params, layer_cls, tied,
+                      trainable(largest), trainable(out), quantizable)
 
 
 def layer_count(config: Any) -> int:

@@ -28,6 +28,16 @@ from .tasks import normalize_task, task_of_class
 NF4_BLOCK = 64
 
 
+@dataclass(frozen=True)
+class WeightParts:
+    """Weight bytes a sharding engine may hold apart from the rest (``ModelSpec.weight_parts``)."""
+
+    packed_4bit: int          # NF4 weights, 2 per byte (in their storage dtype's container)
+    quant_constants: int      # absmax blocks (+ double quantization's): the quant_state, no parameter
+    buffers: int              # registered buffers (FSDP does not shard them)
+    storage_floating: bool    # bnb_4bit_quant_storage is a float dtype: FSDP can shard the packed
+
+
 @dataclass
 class ModelSpec:
     config: PretrainedConfig
@@ -40,7 +50,11 @@ class ModelSpec:
     double_quant: bool
     meta: torch.nn.Module                    # full model (with adapters) on the meta device
     supports_checkpointing: bool
+    # bnb_4bit_quant_storage: the dtype the packed 4-bit weights are stored in (None: uint8,
+    # bitsandbytes' default). A floating storage lets FSDP shard them (FSDP-QLoRA).
+    quant_storage: torch.dtype | None = None
     _states: tuple[int, list[ParamInfo]] | None = field(default=None, init=False, repr=False)
+    _parts: WeightParts | None = field(default=None, init=False, repr=False)
     _facts: ModelFacts | None = field(default=None, init=False, repr=False)
     _identity: tuple | None = field(default=None, init=False, repr=False)
     _variants: dict = field(default_factory=dict, init=False, repr=False)
@@ -50,6 +64,16 @@ class ModelSpec:
         if self._states is None:
             self._states = _model_states(self)
         return self._states
+
+    def weight_parts(self) -> WeightParts:
+        """The parts of ``states()[0]`` a sharding engine treats apart (4-bit packed weights,
+        their quantization constants, buffers)."""
+        if self._parts is None:
+            packed, constants, _ = _quantized_bytes(self) if self.quant_bits == 4 else (0, 0, ())
+            self._parts = WeightParts(packed, constants, sum(
+                b.numel() * b.element_size() for b in self.meta.buffers()),
+                self.quant_storage is not None and self.quant_storage.is_floating_point)
+        return self._parts
 
     def facts(self) -> ModelFacts:
         """Layer structure for sharding."""
@@ -83,18 +107,23 @@ class ModelSpec:
         return None
 
 
-def quant_from(qc: Any) -> tuple[int | None, bool, torch.dtype | None]:
-    """(bits, double quantization, compute dtype) of a bitsandbytes config (or dict)."""
+def _dtype(v: Any) -> torch.dtype | None:
+    return getattr(torch, v.replace("torch.", "")) if isinstance(v, str) else v
+
+
+def quant_from(qc: Any) -> tuple[int | None, bool, torch.dtype | None, torch.dtype | None]:
+    """(bits, double quantization, compute dtype, 4-bit storage dtype) of a bitsandbytes config
+    (or dict)."""
     if qc is None:
-        return None, False, None
+        return None, False, None, None
     get = qc.get if isinstance(qc, dict) else (lambda k, d=None: getattr(qc, k, d))
     if get("load_in_4bit", False):
-        cd = get("bnb_4bit_compute_dtype", None)
-        if isinstance(cd, str):
-            cd = getattr(torch, cd.replace("torch.", ""))
-        return 4, bool(get("bnb_4bit_use_double_quant", False)), cd
+        storage = _dtype(get("bnb_4bit_quant_storage", None))
+        return (4, bool(get("bnb_4bit_use_double_quant", False)),
+                _dtype(get("bnb_4bit_compute_dtype", None)),
+                None if storage == torch.uint8 else storage)
     if get("load_in_8bit", False):
-        return 8, False, None
+        return 8, False, None, None
     raise HfMemkitError(
         "quantization_config must be a bitsandbytes config with load_in_4bit or load_in_8bit; "
         f"got {qc!r}")
@@ -112,6 +141,15 @@ class _Loaded:
     lora_cfg: Any
     quant_bits: int | None
     double_quant: bool
+    quant_storage: torch.dtype | None = None
+
+
+def _storage_of(base: torch.nn.Module) -> torch.dtype | None:
+    """The floating storage dtype of a loaded model's 4-bit weights (None: integer storage)."""
+    for p in base.parameters():
+        if type(p).__name__ == "Params4bit":
+            return p.dtype if p.is_floating_point() else None
+    return None
 
 
 def loaded_weights(base: torch.nn.Module) -> tuple[torch.dtype, int | None]:
@@ -134,13 +172,14 @@ def _from_module(model: torch.nn.Module, task: str | None, dtype: torch.dtype | 
     attn = attn or getattr(config, "_attn_implementation", None)
     if is_peft and lora_cfg is None:
         lora_cfg = next(iter(model.peft_config.values()))
-    bits, double = quant[0], quant[1]
+    bits, double, storage = quant[0], quant[1], quant[3]
     if bits is None:
         bits = own_bits
         qc = getattr(config, "quantization_config", None)
         if bits and qc is not None:
             double = bool(quant_from(qc)[1]) if bits == 4 else False
-    return _Loaded(config, type(base), task, dtype, attn, lora_cfg, bits, double)
+        storage = _storage_of(base) if bits == 4 else None
+    return _Loaded(config, type(base), task, dtype, attn, lora_cfg, bits, double, storage)
 
 
 def _from_config(ref: Any, task: str | None, dtype: torch.dtype | None, attn: str | None,
@@ -150,9 +189,10 @@ def _from_config(ref: Any, task: str | None, dtype: torch.dtype | None, attn: st
     model_cls = type(build_model(config, task))
     # A quantized base goes through peft's prepare_model_for_kbit_training (the standard QLoRA
     # recipe, and what Plan.prepare does): every non-quantized bf16/fp16 parameter (embeddings,
-    # head, norms) is upcast to fp32, and adapters are fp32.
+    # head, norms) is upcast to fp32, and adapters are fp32. FSDP-QLoRA loads in its storage
+    # dtype instead (``dtype=``), without that upcast.
     return _Loaded(config, model_cls, task, dtype or torch.float32, attn, lora_cfg, quant[0],
-                   quant[1])
+                   quant[1], quant[3])
 
 
 LOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -204,7 +244,8 @@ def resolve_model(model: Any, *, task: str | None = None, dtype: torch.dtype | s
                     compute_dtype=quant[2] or torch.bfloat16) if ld.lora_cfg is not None else None
     return ModelSpec(ld.config, ld.model_cls, ld.task, ld.dtype, ld.attn, lora, ld.quant_bits,
                      ld.double_quant, meta,
-                     bool(getattr(ld.model_cls, "supports_gradient_checkpointing", False)))
+                     bool(getattr(ld.model_cls, "supports_gradient_checkpointing", False)),
+                     ld.quant_storage if ld.quant_bits == 4 else None)
 
 
 def _meta_model(model_cls: type, config: PretrainedConfig, dtype: torch.dtype,
@@ -224,24 +265,26 @@ def _meta_model(model_cls: type, config: PretrainedConfig, dtype: torch.dtype,
     return m
 
 
-def _quantized_bytes(spec: ModelSpec) -> tuple[int, set[int]]:
-    """Bytes of the quantized linears (packed weights + constants) and their weights' ids."""
-    weights, quantized = 0, set()
+def _quantized_bytes(spec: ModelSpec) -> tuple[int, int, set[int]]:
+    """Bytes of the quantized linears (packed weights, their constants) and their weights' ids."""
+    packed, constants, quantized = 0, 0, set()
     base = spec.meta.get_base_model() if hasattr(spec.meta, "get_base_model") else spec.meta
     for _name, mod in quantizable_linears(base):
         quantized.add(id(mod.weight))
         n = mod.weight.numel()
         if spec.quant_bits == 4:
             blocks = -(-n // NF4_BLOCK)
-            absmax = (blocks + 4 * -(-blocks // 256)) if spec.double_quant else 4 * blocks
-            weights += -(-n // 2) + absmax
+            packed += -(-n // 2)
+            constants += (blocks + 4 * -(-blocks // 256)) if spec.double_quant else 4 * blocks
         else:  # LLM.int8: int8 weight + fp32 row scale
-            weights += n + 4 * mod.weight.shape[0]
-    return weights, quantized
+            packed += n
+            constants += 4 * mod.weight.shape[0]
+    return packed, constants, quantized
 
 
 def _model_states(spec: ModelSpec) -> tuple[int, list[ParamInfo]]:
-    weights, quantized = _quantized_bytes(spec) if spec.quant_bits else (0, set())
+    packed, constants, quantized = _quantized_bytes(spec) if spec.quant_bits else (0, 0, set())
+    weights = packed + constants
     embeddings = {id(m.weight) for m in spec.meta.modules() if isinstance(m, torch.nn.Embedding)}
     # GaLore / APOLLO match `optim_target_modules` against the module of each nn.Linear weight,
     # by the weight's name in named_parameters() (transformers _setup_low_rank_optimizer)

@@ -135,7 +135,7 @@ def test_engines_and_their_rungs():
 
 
 def test_methods_form_the_ladder():
-    assert METHODS.names() == ["full", "lora", "lora-8bit", "qlora"]
+    assert METHODS.names() == ["full", "lora", "lora-8bit", "qlora", "fsdp-qlora"]
     assert method_choices() == ["auto", "full", "lora", "qlora"]
     assert [m.name for m in METHODS if "lora" in m.selected_by] == ["lora", "lora-8bit"]
 

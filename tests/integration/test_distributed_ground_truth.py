@@ -1,12 +1,19 @@
 """Two real gloo ranks on this CPU (torchrun): DDP through the Trainer and FSDP2 through
-accelerate's own FSDP2 preparation, measured per rank by ``hf_memkit.testing.groundtruth_dist``."""
+accelerate's own FSDP2 preparation, measured per rank by ``hf_memkit.testing.groundtruth_dist``;
+and a bf16-loaded model under FSDP2 with ``bf16=True`` (accelerate's fp32 upcast) against the
+estimate."""
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 import pytest
 
+import hf_memkit as mk
 from hf_memkit._run.synthetic import tiny_llama_config
 from hf_memkit.testing.groundtruth_dist import measure_distributed_peak
+from tests.helpers import BENCH
 
 # 2 layers, vocab 2048: model states (~4.6 MiB fp32 AdamW states per full replica) are a visible
 # part of the peak at seq 64; learnable counting sequences so the loss falls in a few steps.
@@ -79,6 +86,50 @@ def test_fsdp2_shards_states_and_trains(fsdp2):
     assert r0["data_digest"] != r1["data_digest"]                 # data seeded by rank
     losses = fsdp2["losses"]
     assert all(0 < x < 20 for x in losses) and losses[-1] < losses[0] - 0.1, losses
+
+
+def _bench_case(name: str) -> dict:
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import _dist_cases
+
+    return next(c for c in _dist_cases.cases() if c["name"] == name)
+
+
+@pytest.fixture(scope="module")
+def bf16_loaded():
+    """bench/_dist_cases.py's 7.4M-parameter Llama (model states ~30% of the peak), loaded in
+    bf16, FSDP2 full shard with bf16 mixed precision: measured, then estimated alike."""
+    spec = _bench_case("fsdp2-full-shard-bf16-loaded")
+    measured = measure_distributed_peak({k: v for k, v in spec.items() if k != "name"}, nproc=2)
+    from sharding import _our_args
+    from transformers import AutoConfig
+
+    cfg = dict(spec["config"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est = mk.estimate_memory(AutoConfig.for_model(cfg.pop("model_type"), **cfg),
+                                 _our_args(spec), seq_len=spec["seq_len"], dtype="bfloat16",
+                                 device="cpu", num_gpus=2)
+    return measured, est
+
+
+def test_fsdp2_upcasts_a_bf16_loaded_model_and_the_estimate_follows(bf16_loaded):
+    measured, est = bf16_loaded
+    for rk in measured["ranks"]:
+        assert rk["fsdp"]["mixed_precision"] == "bf16"
+        # accelerate upcast the trainable bf16 parameters: each rank's DTensor shards are fp32,
+        # half the elements at twice the bytes of the bf16 model it was given
+        assert rk["fsdp"]["param_dtype"] == "torch.float32"
+        assert rk["local_param_bytes"] == pytest.approx(rk["full_param_bytes"], rel=0.01)
+        assert rk["local_grad_bytes"] == rk["local_param_bytes"]           # fp32 grad shards
+        assert rk["local_optimizer_bytes"] == pytest.approx(2 * rk["local_param_bytes"],
+                                                            rel=0.01)    # fp32 AdamW moments
+        states = rk["local_param_bytes"] + rk["local_grad_bytes"] + rk["local_optimizer_bytes"]
+        assert est.model_states == pytest.approx(states, rel=0.01)
+    # issue 24's acceptance: the measured 2-rank peak within 8% of the estimate
+    assert est.peak_allocated == pytest.approx(measured["peak"], rel=0.08)
+    assert any("upcasts" in n for n in est.notes)
 
 
 def test_fsdp2_needs_less_per_rank_than_ddp(ddp, fsdp2):

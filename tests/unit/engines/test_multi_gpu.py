@@ -111,8 +111,10 @@ def test_fsdp_shards_states_and_gathers_layers():
     assert e_full.device_used < base.device_used / 4
     # shard-grad-op keeps every layer gathered (bf16) from its forward to its backward
     assert e_op.device_used - e_full.device_used > 1.5 * n  # of the 2 B/param gathered
-    # CPUOffloadPolicy moves parameters, gradients and optimizer state together
-    assert e_off.model_states == 0 and e_off.host_offloaded == e_full.model_states
+    # CPUOffloadPolicy moves parameters, gradients and optimizer state together; buffers
+    # (rotary inv_freq), which fully_shard does not shard, stay
+    assert e_off.model_states < 2**10
+    assert e_off.host_offloaded + e_off.model_states == e_full.model_states
     assert e_off.device_used < e_full.device_used
 
 
