@@ -215,10 +215,10 @@ class Result:
         if self.device_used > self.card:
             return f"centre over the card ({parts})"
         need = f"needs {self.required / GIB:.2f} GiB with the cache freed"
-        if self.required > self.budget:
-            return f"{need}: within the card, over the budget: headroom ({parts})"
+        if self.required > self.card:
+            return f"{need}: over the card ({parts})"
         if self.upper > self.card:
-            return f"{need}, within the budget; the margin takes it over the card ({parts})"
+            return f"{need}, within the card; its margin takes it over the card ({parts})"
         return f"{need}; + margin within the card, over the budget: headroom ({parts})"
 
 
