@@ -135,7 +135,7 @@ def _band(parts: dict[str, int], runtime: CudaRuntime, frag_at_fit: int,
 def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: OptimizerMemory,
                  runtime: CudaRuntime | None, ranks: int, *, ex: Excess, spec: ModelSpec,
                  stage: str, micro_steps: int = 1, model_states: int = 0,
-                 weights: int = 0, sharded: bool = False) -> DeviceTerms:
+                 weights: int = 0) -> DeviceTerms:
     """Adds fragmentation and context to ``parts`` (and the workspaces to temporaries), the
     smallest device memory the step runs in (``required``) and the band. The margin: a user
     calibration's residuals are of device_used as a whole; otherwise each term's own sigma,
@@ -159,12 +159,6 @@ def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: Optimize
     outside = context + nccl + resident + CALIBRATION.alloc_const  # not in the replay
     fit = allocator_fit(ex, spec, om, workspaces, stage, micro_steps,
                         max(1, dev.total_memory - outside) if dev.total_memory else None)
-    # the replay also rounds every block to 512 B, which the phase arithmetic does not (a
-    # sharded engine's states are replayed unsharded: its replay is not this rank's bytes)
-    rounding = max(0, fit.peak_allocated - (peak + 2 * per_thread)) if fit and not sharded \
-        else 0
-    allocated += rounding
-    parts["temporaries"] += rounding
     # peak reserved: what reserved reaches when nothing presses; on this device the allocator
     # frees its cache and retries instead of growing past the device's memory (device_used)
     frag = max(0, fit.peak_reserved - fit.peak_allocated) if fit else 0

@@ -309,8 +309,7 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
     terms = device_terms(dev, step.phases[phase], parts, om, runtime,
                          setup.sharding.world_size, ex=ex, spec=trace_spec, stage=stage,
                          micro_steps=min(setup.grad_accum, 2) if stage == "train" else 1,
-                         model_states=rs.model_states, weights=rs.weights,
-                         sharded=setup.engine.sharded)
+                         model_states=rs.model_states, weights=rs.weights)
     allocated, reserved, used, rel = terms.allocated, terms.reserved, terms.used, terms.rel_sigma
     notes += terms.notes + _kernel_note(ex, target)
     if ex.host:
