@@ -5,6 +5,7 @@ module loading, NCCL buffers; and the uncertainty band. A user calibration of th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,9 +50,9 @@ class Replayed:
 
     peak_allocated: int
     peak_reserved: int   # with nothing pressing
-    capacity: int        # the smallest capacity at which the step completes
     on_device: int       # peak reserved with the device's memory as the capacity
     how: str  # "traced", "extended" or "deepened" (``allocation.full_depth_events``)
+    smallest: Any = field(default=None, repr=False, compare=False)  # () -> smallest capacity
 
 
 def user_calibration(dev: DeviceInfo, runtime: CudaRuntime) -> Calibration | None:
@@ -110,11 +111,19 @@ def allocator_fit(ex: Excess, spec: ModelSpec, om: OptimizerMemory,
         kw = dict(state_ratio=state, transient_ratio=transient, workspaces=workspaces,
                   optimizer=stage == "train", micro_steps=micro_steps, config=config)
         s = replay_step(events, params, **kw)
-        cap = smallest_capacity(events, params, s.peak_allocated, s.peak_reserved, **kw)
         on_device = s.peak_reserved
-        if device_capacity is not None and cap <= device_capacity < s.peak_reserved:
-            on_device = replay_step(events, params, capacity=device_capacity, **kw).peak_reserved
-        ex.replayed[key] = Replayed(s.peak_allocated, s.peak_reserved, cap, on_device, how)
+        if device_capacity is not None and device_capacity < s.peak_reserved:
+            r = replay_step(events, params, capacity=device_capacity, **kw)
+            on_device = r.peak_reserved if not r.ooms else s.peak_reserved
+        memo: list[int] = []
+
+        def smallest(events=events, params=params, kw=kw, s=s, memo=memo) -> int:
+            if not memo:
+                memo.append(smallest_capacity(events, params, s.peak_allocated,
+                                              min(s.peak_reserved, on_device), **kw))
+            return memo[0]
+
+        ex.replayed[key] = Replayed(s.peak_allocated, s.peak_reserved, on_device, how, smallest)
     return ex.replayed[key]
 
 
@@ -135,11 +144,16 @@ def _band(parts: dict[str, int], runtime: CudaRuntime, frag_at_fit: int,
 def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: OptimizerMemory,
                  runtime: CudaRuntime | None, ranks: int, *, ex: Excess, spec: ModelSpec,
                  stage: str, micro_steps: int = 1, model_states: int = 0,
-                 weights: int = 0) -> DeviceTerms:
+                 weights: int = 0, fit_budget: int | None = None) -> DeviceTerms:
     """Adds fragmentation and context to ``parts`` (and the workspaces to temporaries), the
     smallest device memory the step runs in (``required``) and the band. The margin: a user
     calibration's residuals are of device_used as a whole; otherwise each term's own sigma,
-    combined as independent errors (model states are exact)."""
+    combined as independent errors (model states are exact).
+
+    ``fit_budget`` (the planner's): the smallest capacity is searched only where the verdict
+    against it depends on it. A step that fits with what the device shows needs no cache freed
+    (``required`` = ``device_used``); one that misses it even with no fragmentation needs at
+    least its live bytes and context (``required`` says that much)."""
     if dev.kind != "cuda" or runtime is None:
         parts["fragmentation"] = parts["context"] = 0
         margin = int(2 * CPU_REL_SIGMA * peak)
@@ -163,24 +177,37 @@ def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: Optimize
     # frees its cache and retries instead of growing past the device's memory (device_used)
     frag = max(0, fit.peak_reserved - fit.peak_allocated) if fit else 0
     frag_on_device = max(0, fit.on_device - fit.peak_allocated) if fit else 0
-    frag_at_fit = max(0, fit.capacity - fit.peak_allocated) if fit else 0
     parts["fragmentation"] = frag
     parts["context"] = context + nccl
     reserved = allocated + frag
     used = allocated + frag_on_device + parts["context"] + resident
-    # (the smallest capacity is found to FIT_RESOLUTION: never above what the device shows)
-    required = min(used, allocated + frag_at_fit + parts["context"] + resident)
+    band_parts = {**parts, "_traced_temporaries": traced_temporaries}
+
+    def at(frag_at_fit: int) -> tuple[int, int, dict[str, int]]:
+        """(required, margin, sigmas) when the step needs ``frag_at_fit`` over its live bytes."""
+        # (the smallest capacity is found to a resolution: never above what the device shows)
+        required = min(used, allocated + frag_at_fit + parts["context"] + resident)
+        if cal is not None and cal.rel_sigma is not None:
+            margin = int(2 * cal.rel_sigma * used)
+            return required, margin, {"calibration residuals": margin // 2}
+        sigmas = _band(band_parts, runtime, frag_at_fit, nccl)
+        return required, int(2 * math.sqrt(sum(v * v for v in sigmas.values()))), sigmas
+
+    required, margin, sigmas = at(frag_on_device)
+    if fit and fit_budget is not None and required + margin > fit_budget:
+        low = at(0)
+        if low[0] + low[1] > fit_budget:  # does not fit even with no fragmentation
+            required, margin, sigmas = low
+            fit = dataclasses.replace(fit, smallest=None)
+    if fit and fit.smallest is not None and (fit_budget is None or required + margin
+                                             > fit_budget):
+        required, margin, sigmas = at(max(0, fit.smallest() - fit.peak_allocated))
     notes = [runtime.note() if cal is None else
              f"CUDA {runtime.version}: context {format_bytes(cal.context)} and cuBLAS "
              f"workspaces measured on this GPU (calibration {cal.path})"]
-    sigmas = _band({**parts, "_traced_temporaries": traced_temporaries}, runtime,
-                   frag_at_fit, nccl)
     if cal is not None and cal.rel_sigma is not None:
-        margin = int(2 * cal.rel_sigma * used)
-        sigmas = {"calibration residuals": margin // 2}
         notes.append(f"uncertainty from {len(cal.residuals)} measured residuals of this GPU")
     else:
-        margin = int(2 * math.sqrt(sum(v * v for v in sigmas.values())))
         notes.append(f"margin {format_bytes(margin)}: 2 sigma of the uncertain terms combined "
                      "as independent errors (model states are exact; `hf-memkit calibrate` "
                      "measures this GPU)")

@@ -273,10 +273,13 @@ def _shares(terms: Any) -> dict[str, int]:
 def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_len: int,
                  stage: str = "train", target_len: int | None = None, padded: bool = False,
                  cache: TraceCache | None = None, exact: bool = True,
-                 probe: bool = False, cuda_version: str | None = None) -> MemoryEstimate:
+                 probe: bool = False, cuda_version: str | None = None,
+                 fit_budget: int | None = None) -> MemoryEstimate:
     """``estimate_memory`` for an already resolved model and setup (the planner's entry).
     ``exact=False`` with a cache may return a lower bound (``MemoryEstimate.lower_bound``);
-    ``probe=True`` with a cache bounds a train step from its forward alone."""
+    ``probe=True`` with a cache bounds a train step from its forward alone. ``fit_budget``:
+    the budget the planner judges by, so the smallest-capacity search runs only where the
+    verdict depends on it (``device.device_terms``)."""
     runtime = cuda_runtime(cuda_version) if dev.kind == "cuda" else None
     target = CudaTarget.of(dev.compute_capability, runtime.version) if runtime else None
     notes = check_setup(spec, setup, dev, seq_len)
@@ -309,7 +312,8 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
     terms = device_terms(dev, step.phases[phase], parts, om, runtime,
                          setup.sharding.world_size, ex=ex, spec=trace_spec, stage=stage,
                          micro_steps=min(setup.grad_accum, 2) if stage == "train" else 1,
-                         model_states=rs.model_states, weights=rs.weights)
+                         model_states=rs.model_states, weights=rs.weights,
+                         fit_budget=fit_budget)
     allocated, reserved, used, rel = terms.allocated, terms.reserved, terms.used, terms.rel_sigma
     notes += terms.notes + _kernel_note(ex, target)
     if ex.host:

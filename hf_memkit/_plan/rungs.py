@@ -73,13 +73,17 @@ def ladder_savings(search: Any, chosen: Candidate) -> list[dict[str, Any]]:
     for c in chain[1:]:
         search.price(c)
         try:
-            c.estimate = search.estimate(c)
+            c.estimate = search.estimate(c, judge=False)
         except HfMemkitError:  # e.g. a method this model cannot be estimated with
             c.estimate = None
-    for c in chain:
-        used.append(c.estimate.device_used if c.estimate is not None else None)
-        must.append(c.estimate.upper if c.estimate is not None else None)
-        host.append(c.estimate.host_offloaded if c.estimate is not None else None)
+    # the chosen setup's own estimate was judged against the budget (its smallest capacity may
+    # not have been searched): each rung's saving compares exact needs
+    exact = [search.estimate(chosen, judge=False) if chosen.estimate is not None else None] + \
+        [c.estimate for c in chain[1:]]
+    for e in exact:
+        used.append(e.device_used if e is not None else None)
+        must.append(e.upper if e is not None else None)
+        host.append(e.host_offloaded if e is not None else None)
     out = []
     for i in range(len(steps) - 1, -1, -1):  # from the bottom rung up
         above, below = chain[i], chain[i + 1]

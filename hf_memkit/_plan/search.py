@@ -58,11 +58,15 @@ class Search:
         return with_lengths(setup, rows, None)[0] if rows else setup
 
     def estimate(self, c: Candidate, *, exact: bool = True, stage: str = "train",
-                 setup: TrainingSetup | None = None, probe: bool = False) -> MemoryEstimate:
+                 setup: TrainingSetup | None = None, probe: bool = False,
+                 judge: bool = True) -> MemoryEstimate:
+        """``judge``: the smallest capacity is searched only where the verdict against the
+        budget depends on it; ``judge=False`` always (what ``estimate_memory`` reports)."""
         spec = self.book.get(c.method, c.precision)[0]
         return estimate_for(spec, setup or self.setup_of(c), self.req.dev,
                             seq_len=self.req.seq_len, stage=stage, cache=self.cache, exact=exact,
-                            probe=probe, cuda_version=self.req.cuda_version)
+                            probe=probe, cuda_version=self.req.cuda_version,
+                            fit_budget=self.budget if judge else None)
 
     # -- pricing and the cheap bound ----------------------------------------------------------
     def _states_setup(self, c: Candidate) -> TrainingSetup:
