@@ -141,6 +141,29 @@ def _band(parts: dict[str, int], runtime: CudaRuntime, frag_at_fit: int,
     }
 
 
+def _allocator_notes(fit: Replayed | None, dev: DeviceInfo, required: int,
+                     allocated: int) -> list[str]:
+    """What the replay says, in words."""
+    notes: list[str] = []
+    if fit:
+        conf = AllocatorConfig.from_env()
+        opts = ", ".join(o for o in (
+            f"max_split_size_mb:{conf.max_split_size >> 20}" if conf.max_split_size else "",
+            "expandable_segments:True" if conf.expandable_segments else "") if o) or "defaults"
+        pressed = fit.on_device < fit.peak_reserved
+        notes.append(f"fragmentation from a replay of the step through the caching-allocator "
+                     f"model (PYTORCH_CUDA_ALLOC_CONF: {opts}); the step runs in "
+                     f"{format_bytes(required)}: the allocator frees its cached blocks and "
+                     f"retries before an OOM" + (
+                         f"; on {dev.name} it does (with more memory reserved would reach "
+                         f"{format_bytes(fit.peak_reserved + allocated - fit.peak_allocated)})"
+                         if pressed else ""))
+        if fit.how == "deepened":
+            notes.append("this model's blocks do not repeat one allocation pattern: its "
+                         "full-depth allocation stream is an approximation")
+    return notes
+
+
 def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: OptimizerMemory,
                  runtime: CudaRuntime | None, ranks: int, *, ex: Excess, spec: ModelSpec,
                  stage: str, micro_steps: int = 1, model_states: int = 0,
@@ -211,22 +234,7 @@ def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: Optimize
         notes.append(f"margin {format_bytes(margin)}: 2 sigma of the uncertain terms combined "
                      "as independent errors (model states are exact; `hf-memkit calibrate` "
                      "measures this GPU)")
-    if fit:
-        conf = AllocatorConfig.from_env()
-        opts = ", ".join(o for o in (
-            f"max_split_size_mb:{conf.max_split_size >> 20}" if conf.max_split_size else "",
-            "expandable_segments:True" if conf.expandable_segments else "") if o) or "defaults"
-        pressed = fit.on_device < fit.peak_reserved
-        notes.append(f"fragmentation from a replay of the step through the caching-allocator "
-                     f"model (PYTORCH_CUDA_ALLOC_CONF: {opts}); the step runs in "
-                     f"{format_bytes(required)}: the allocator frees its cached blocks and "
-                     f"retries before an OOM" + (
-                         f"; on {dev.name} it does (with more memory reserved would reach "
-                         f"{format_bytes(fit.peak_reserved + allocated - fit.peak_allocated)})"
-                         if pressed else ""))
-        if fit.how == "deepened":
-            notes.append("this model's blocks do not repeat one allocation pattern: its "
-                         "full-depth allocation stream is an approximation")
+    notes += _allocator_notes(fit, dev, required, allocated)
     if nccl:
         notes.append(f"NCCL communicator buffers: {format_bytes(nccl)} per rank")
     return DeviceTerms(allocated, reserved, used, margin / 2 / used if used else 0.0, notes,
