@@ -70,7 +70,8 @@ def smallest_capacity(events: list, params: tuple[int, ...], lo: int, hi: int,
                       **kw: Any) -> int:
     """The smallest capacity (to ``FIT_RESOLUTION`` or a ``FIT_STEPS``th of ``hi - lo``) in
     [``lo``, ``hi``] at which the step's replay completes without an OOM; ``hi`` (the
-    unconstrained peak reserved) always does."""
+    unconstrained peak reserved, or the peak reserved at a capacity that completed) always
+    does."""
     def completes(cap: int) -> bool:
         return replay_step(events, params, capacity=cap, **kw).ooms == 0
 
