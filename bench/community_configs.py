@@ -109,11 +109,36 @@ def _dtype(row: dict[str, Any]) -> Any:
     return getattr(torch, row["dtype"]) if row.get("dtype") else None
 
 
+def with_trained_adapters(row: dict[str, Any], model: Any) -> Any:
+    """The model as the row's trainer handed it to training, where the row says its trainer cast
+    the adapters (``adapter_dtype``: TRL 0.7.10-0.8.x's ``peft_module_casting_to_bf16`` casts a
+    4-bit model's LoRA layers to bf16): a peft model on the meta device with its adapters in
+    that dtype, which ``estimate_memory`` reads from the model. Otherwise ``model`` itself."""
+    if not row.get("adapter_dtype"):
+        return model
+    import peft
+    import torch
+
+    from hf_memkit._model.catalog import load_bundled_config
+    from hf_memkit._model.tasks import auto_class
+
+    config = model if not isinstance(model, str) else load_bundled_config(model)
+    auto = auto_class(row["task"])
+    with torch.device("meta"):
+        meta = auto.from_config(config, dtype=_dtype(row) or torch.float32)
+        meta = peft.get_peft_model(meta, build_peft(row))
+    dtype = getattr(torch, row["adapter_dtype"])
+    for p in meta.parameters():
+        if p.requires_grad:
+            p.data = p.data.to(dtype)
+    return meta
+
+
 def estimate(row: dict[str, Any], model: Any) -> Any:
     import hf_memkit as mk
 
     return mk.estimate_memory(
-        model, dict(row["args"]), seq_len=row["seq_len"], device=row["gpu"],
+        with_trained_adapters(row, model), dict(row["args"]), seq_len=row["seq_len"], device=row["gpu"],
         stage=row.get("stage", "train"), task=row["task"], target_len=row.get("target_len"),
         dtype=_dtype(row), attn_implementation=row.get("attn_implementation"),
         peft_config=build_peft(row), quantization_config=build_quant(row),

@@ -124,6 +124,18 @@ def technique_host_bytes(spec: ModelSpec, setup: TrainingSetup, seq_len: int, *,
     return total
 
 
+def trained_spec(spec: ModelSpec, setup: TrainingSetup) -> ModelSpec:
+    """The model as the setup's trainer trains it: its adapters in the dtype the trainer casts
+    them to (``TrainerKind.adapter_dtype``: TRL's bf16 for a quantized base)."""
+    if spec.lora is None:
+        return spec
+    sh = setup.sharding
+    dtype = setup.trainer_kind.adapter_dtype(
+        quantized=spec.quant_bits is not None, zero3=sh.engine == "deepspeed" and sh.stage == 3,
+        base=spec.dtype, given=spec.lora.adapter_dtype)
+    return spec.with_adapter_dtype(dtype) if dtype is not None else spec
+
+
 def trace_variant(spec: ModelSpec, setup: TrainingSetup) -> tuple[ModelSpec, TrainingSetup]:
     """What each rank computes with: engines that gather or keep 16-bit parameters under mixed
     precision (``Engine.traces_half``) run a 16-bit model without autocast, whatever dtype it
@@ -282,7 +294,11 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
     verdict depends on it (``device.device_terms``)."""
     runtime = cuda_runtime(cuda_version) if dev.kind == "cuda" else None
     target = CudaTarget.of(dev.compute_capability, runtime.version) if runtime else None
+    cast = trained_spec(spec, setup)
     notes = check_setup(spec, setup, dev, seq_len)
+    if cast is not spec:
+        notes.append(setup.trainer_kind.adapter_note(cast.lora.adapter_dtype))
+        spec = cast
     rs, om = states_for(spec, setup, dev)
     if stage == "forward_backward":
         rs = dataclasses.replace(rs, optimizer=0, optimizer_transient=0)

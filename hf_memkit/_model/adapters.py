@@ -16,6 +16,28 @@ class LoraSpec:
     peft_config: Any                   # peft.LoraConfig
     quantized_4bit: bool = False       # QLoRA: base weights NF4 (traced with SimLinear4bit)
     compute_dtype: torch.dtype = torch.bfloat16  # bnb_4bit_compute_dtype
+    # the dtype the trainable adapter weights train in; None: what peft gives them (fp32 on a
+    # 16-bit base, autocast_adapter_dtype). TRL casts a quantized model's to bf16.
+    adapter_dtype: torch.dtype | None = None
+
+
+def cast_adapters(model: torch.nn.Module, dtype: torch.dtype | None) -> None:
+    """Cast the trainable parameters of a peft model to ``dtype``, as TRL's trainers do for a
+    quantized base (``SFTTrainer.__init__``: every ``requires_grad`` parameter but DoRA's
+    magnitude vector). Works on meta tensors."""
+    if dtype is None:
+        return
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.is_floating_point() and "lora_magnitude_vector" not in name:
+            p.data = p.data.to(dtype)
+
+
+def adapter_dtype_of(model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype a peft model's trainable LoRA weights have (None: it has none)."""
+    for name, p in model.named_parameters():
+        if p.requires_grad and "lora_" in name and "lora_magnitude_vector" not in name:
+            return p.dtype
+    return None
 
 
 def quantizable_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:

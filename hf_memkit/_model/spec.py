@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 
 from .._errors import HfMemkitError, did_you_mean
 from .._optimizers import ParamInfo
-from .adapters import LoraSpec, quantizable_linears
+from .adapters import LoraSpec, adapter_dtype_of, cast_adapters, quantizable_linears
 from .facts import ModelFacts, model_facts
 from .profile import build_model, logical_numel, to_config, unwrap_model
 from .tasks import normalize_task, task_of_class
@@ -96,6 +96,19 @@ class ModelSpec:
             self._variants[dtype] = dataclasses.replace(self, dtype=dtype)
         return self._variants[dtype]
 
+    def with_adapter_dtype(self, dtype: torch.dtype) -> ModelSpec:
+        """The same model with its trainable adapters cast to ``dtype``, as a trainer casts them
+        (``_trainers.TrainerKind.adapter_dtype``); memoised, with a meta model of its own."""
+        if self.lora is None or self.lora.adapter_dtype == dtype:
+            return self
+        key = ("adapters", dtype)
+        if key not in self._variants:
+            meta = copy.deepcopy(self.meta)
+            cast_adapters(meta, dtype)
+            self._variants[key] = dataclasses.replace(
+                self, lora=dataclasses.replace(self.lora, adapter_dtype=dtype), meta=meta)
+        return self._variants[key]
+
     def learned_positions(self) -> int | None:
         """Longest sequence a model with a learned absolute position table can take (None:
         rotary, relative or other schemes). OPT/RoBERTa tables carry an offset of 2."""
@@ -142,6 +155,7 @@ class _Loaded:
     quant_bits: int | None
     double_quant: bool
     quant_storage: torch.dtype | None = None
+    adapter_dtype: torch.dtype | None = None   # a peft model's own trainable adapters' dtype
 
 
 def _storage_of(base: torch.nn.Module) -> torch.dtype | None:
@@ -179,7 +193,8 @@ def _from_module(model: torch.nn.Module, task: str | None, dtype: torch.dtype | 
         if bits and qc is not None:
             double = bool(quant_from(qc)[1]) if bits == 4 else False
         storage = _storage_of(base) if bits == 4 else None
-    return _Loaded(config, type(base), task, dtype, attn, lora_cfg, bits, double, storage)
+    return _Loaded(config, type(base), task, dtype, attn, lora_cfg, bits, double, storage,
+                   adapter_dtype_of(model) if is_peft else None)
 
 
 def _from_config(ref: Any, task: str | None, dtype: torch.dtype | None, attn: str | None,
@@ -234,14 +249,16 @@ def resolve_model(model: Any, *, task: str | None = None, dtype: torch.dtype | s
             f"a {ld.quant_bits}-bit base cannot be trained directly; give `peft_config` "
             "(a peft.LoraConfig) for QLoRA, or drop quantization_config")
     # attention picks a kernel, not parameters: specs that differ only in it share a meta model
-    key = (ld.model_cls, id(ld.config), ld.dtype, repr(ld.lora_cfg))
+    key = (ld.model_cls, id(ld.config), ld.dtype, repr(ld.lora_cfg), ld.adapter_dtype)
     meta = meta_cache.get(key) if meta_cache is not None else None
     if meta is None:
         meta = _meta_model(ld.model_cls, ld.config, ld.dtype, ld.attn, ld.lora_cfg)
+        cast_adapters(meta, ld.adapter_dtype)
         if meta_cache is not None:
             meta_cache[key] = meta
     lora = LoraSpec(ld.lora_cfg, quantized_4bit=ld.quant_bits == 4,
-                    compute_dtype=quant[2] or torch.bfloat16) if ld.lora_cfg is not None else None
+                    compute_dtype=quant[2] or torch.bfloat16,
+                    adapter_dtype=ld.adapter_dtype) if ld.lora_cfg is not None else None
     return ModelSpec(ld.config, ld.model_cls, ld.task, ld.dtype, ld.attn, lora, ld.quant_bits,
                      ld.double_quant, meta,
                      bool(getattr(ld.model_cls, "supports_gradient_checkpointing", False)),

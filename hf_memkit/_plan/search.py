@@ -17,7 +17,7 @@ from typing import NoReturn
 
 from .._errors import HfMemkitError
 from .._estimate import MemoryEstimate, TraceCache, estimate_for
-from .._estimate.phases import states_for
+from .._estimate.phases import states_for, trained_spec
 from .._methods import Method
 from .._setup.setup import TrainingSetup, normalize_args
 from .._trainers.packing import with_lengths
@@ -79,8 +79,8 @@ class Search:
 
     def price(self, c: Candidate) -> None:
         """Set ``rel_time`` (not yet relative) and reject on model states alone."""
-        spec = self.book.get(c.method, c.precision)[0]
         setup = self._states_setup(c)
+        spec = trained_spec(self.book.get(c.method, c.precision)[0], setup)
         rs, _ = states_for(spec, setup, self.req.dev)
         n_trainable = sum(p.numel for p in spec.states()[1])
         c.rel_time = cost(c, self._shape(c), n_trainable=n_trainable, dev=self.req.dev,

@@ -37,7 +37,7 @@ from .._cuda.emulation import emulate_cuda
 from .._cuda.events import EventLog
 from .._cuda.target import CudaTarget
 from .._errors import HfMemkitError
-from .._model.adapters import LoraSpec, quantizable_linears
+from .._model.adapters import LoraSpec, cast_adapters, quantizable_linears
 from .._model.facts import block_stacks, layer_count
 from .quant import SimLinear4bit
 
@@ -280,6 +280,7 @@ def build_fake(model_cls: type, config: Any, *, fm: Any, attn_implementation: st
 
             with quiet_peft():
                 model = peft.get_peft_model(model, copy.deepcopy(lora.peft_config))
+            cast_adapters(model, lora.adapter_dtype)
             if lora.quantized_4bit:
                 base = model.get_base_model()
                 for name, linear in quantizable_linears(base):

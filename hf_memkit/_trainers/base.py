@@ -123,6 +123,17 @@ class TrainerKind:
     def notes(self, options: Mapping[str, Any]) -> list[str]:
         return []
 
+    def adapter_dtype(self, *, quantized: bool, zero3: bool, base: Any,
+                      given: Any) -> Any:
+        """The torch dtype the trainer casts a PEFT model's trainable adapters to (None: it
+        leaves them as peft made them). ``quantized``: a bitsandbytes base; ``zero3``: under
+        DeepSpeed ZeRO-3; ``base``: the load dtype; ``given``: the adapters' dtype in a peft
+        model the user passed (None: the trainer wraps the model from ``peft_config``)."""
+        return None
+
+    def adapter_note(self, dtype: Any) -> str:
+        return f"{self.title} trains the adapters in {str(dtype).removeprefix('torch.')}"
+
     def completion_problem(self, options: Mapping[str, Any]) -> str | None:
         """Why ``estimate_memory(completion_len=...)`` does not apply (None: it does: the
         trainer's head scores only the labelled positions on CUDA, ``fused_head``)."""
@@ -193,6 +204,22 @@ class TrlTrainerKind(TrainerKind):
 
     def adjust(self, uses: frozenset[Any]) -> frozenset[Any]:
         return liger_layers_only(uses)
+
+    def adapter_dtype(self, *, quantized: bool, zero3: bool, base: Any, given: Any) -> Any:
+        # TRL 1.16 SFTTrainer / DPOTrainer.__init__: a quantized model's trainable parameters
+        # are cast to bf16 (QLoRA's recipe; DoRA's magnitude stays); under ZeRO-3 a 16-bit
+        # base is wrapped with autocast_adapter_dtype=False, so adapters keep its dtype
+        import torch
+
+        if quantized:
+            return torch.bfloat16
+        return base if zero3 and given is None else None
+
+    def adapter_note(self, dtype: Any) -> str:
+        return (f"{self.title} casts the trainable adapters to "
+                f"{str(dtype).removeprefix('torch.')} (TRL: bf16 for a quantized base; the "
+                "base's dtype under ZeRO-3), so their weights, gradients and optimizer state "
+                "are in that dtype")
 
     def host_note(self, nbytes: int) -> str:
         return (f"TRL's activation offloading keeps {format_bytes(nbytes)} of saved activations "

@@ -59,3 +59,42 @@ def test_sft_tile_buffer_wider_than_the_vocabulary_is_counted_whole():
     tokens = 2 * 255                                   # labels shifted by one
     unwritten = tokens * (32768 - cfg.vocab_size) * 2  # bf16 tile columns past the vocabulary
     assert 0.8 * unwritten < m["peak"] - rss_only["peak"] < 1.1 * unwritten
+
+
+def test_sft_trains_a_quantized_models_adapters_in_bf16_as_a_real_run_measures():
+    """TRL's SFTTrainer casts a quantized model's trainable parameters to bf16 (its
+    ``_is_quantized_model`` branch). Adapters large next to the base make the cast visible: the
+    estimate with it lands on the measured QLoRA run, the same estimate with peft's fp32 adapters
+    is far over."""
+    import peft
+    import torch
+    from transformers import BitsAndBytesConfig, LlamaConfig
+
+    from hf_memkit._trainers.base import TrlTrainerKind
+
+    pytest.importorskip("bitsandbytes")
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,
+                      tie_word_embeddings=False)
+    lora = dict(r=128, lora_alpha=16, lora_dropout=0.0,
+                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                "down_proj"])
+    quant = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype="bfloat16")
+    args = dict(per_device_train_batch_size=1, max_length=128, **FP32)
+
+    def estimate():
+        q = BitsAndBytesConfig(**{**quant, "bnb_4bit_compute_dtype": torch.bfloat16})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return mk.estimate_memory(cfg, args, device="cpu", trainer="sft",
+                                      peft_config=peft.LoraConfig(**lora), quantization_config=q)
+
+    e = estimate()
+    assert any("casts the trainable adapters to bfloat16" in n for n in e.notes)
+    m = measure_trainer_peak({"config": cfg.to_dict(), "args": args, "seq_len": 128,
+                              "trainer": "sft", "lora": lora, "quantization": quant})
+    assert abs(e.peak_allocated / m["peak"] - 1) < 0.03
+    with pytest.MonkeyPatch.context() as mp:   # the counterfactual: adapters left in fp32
+        mp.setattr(TrlTrainerKind, "adapter_dtype", lambda self, **kw: None)
+        fp32 = estimate()
+    assert fp32.peak_allocated / m["peak"] - 1 > 0.10

@@ -61,6 +61,8 @@ def test_row_schema(row):
         assert {"r", "alpha", "target_modules"} <= set(row["lora"])
     if row["method"] == "qlora":
         assert {"quant_type", "compute_dtype", "double_quant"} <= set(row["quantization"])
+    if row.get("adapter_dtype"):
+        assert row["method"] != "full" and row["adapter_dtype"] in ("bfloat16", "float16")
     assert row["stage"] in ("train", "forward_backward")
     assert row["trainer"] in ("trainer", "dpo")
     assert row["fidelity"] in ("exact", "approximate")

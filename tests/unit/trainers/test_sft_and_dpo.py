@@ -139,3 +139,51 @@ def test_plan_for_sft_applies_onto_a_users_sft_config():
     assert out.max_length == 256 == built.max_length
     assert out.per_device_train_batch_size == plan.training_args_kwargs[
         "per_device_train_batch_size"]
+
+
+def test_adapters_keep_the_dtype_of_the_peft_model_given():
+    """A peft model whose adapters are already bf16 (``autocast_adapter_dtype=False``, or TRL
+    having cast them) is estimated with bf16 adapter states, as the real model holds them."""
+    import peft
+    import torch
+    from transformers import LlamaForCausalLM
+
+    base = LlamaForCausalLM(CFG).to(torch.bfloat16)
+    cfg = peft.LoraConfig(r=16, target_modules=["q_proj", "v_proj"])
+    own = peft.get_peft_model(base, cfg, autocast_adapter_dtype=False)
+    real = sum(p.nbytes for p in own.parameters() if p.requires_grad)
+    assert {p.dtype for p in own.parameters() if p.requires_grad} == {torch.bfloat16}
+    args = dict(per_device_train_batch_size=1, **FP32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mine = mk.estimate_memory(own, args, seq_len=64, device="cpu")
+        fresh = mk.estimate_memory(LlamaForCausalLM(CFG).to(torch.bfloat16), args, seq_len=64,
+                                   device="cpu", peft_config=cfg)  # peft's default: fp32
+    # fp32 adapters hold twice the bytes: in the weights, and in AdamW's two moments
+    assert fresh.breakdown["weights"] - mine.breakdown["weights"] == real
+    assert fresh.breakdown["optimizer"] - mine.breakdown["optimizer"] == 2 * real
+
+
+def test_zero3_lora_on_a_16bit_base_keeps_adapters_in_its_dtype():
+    """TRL wraps a 16-bit base with ``autocast_adapter_dtype=False`` under ZeRO-3: the estimate
+    trains the adapters in bf16, as the real peft call makes them."""
+    import peft
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from hf_memkit._estimate.phases import trained_spec
+    from hf_memkit._model.spec import resolve_model
+    from hf_memkit._setup.setup import normalize_args
+
+    cfg = peft.LoraConfig(r=16, target_modules=["q_proj", "v_proj"])
+    real = peft.get_peft_model(LlamaForCausalLM(CFG).to(torch.bfloat16), cfg,
+                               autocast_adapter_dtype=False)
+    spec = resolve_model(CFG, dtype=torch.bfloat16, peft_config=cfg)
+    ds = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zero3 = normalize_args({"bf16": True, "deepspeed": ds}, num_gpus=2, trainer="sft")
+        ddp = normalize_args({"bf16": True}, num_gpus=2, trainer="sft")
+    sizes = {p.itemsize for p in trained_spec(spec, zero3).states()[1]}
+    assert sizes == {p.element_size() for p in real.parameters() if p.requires_grad} == {2}
+    assert {p.itemsize for p in trained_spec(spec, ddp).states()[1]} == {4}  # peft's fp32
