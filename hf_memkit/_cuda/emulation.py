@@ -121,9 +121,10 @@ class CudaOps:
     def __init__(self, target: CudaTarget):
         self.target = target
         self.kernels: list[str] = []   # the kernel of each SDPA call, in order
+        self.dropout = False           # CUDA's fused dropout ran (0 < p < 1, training)
 
     def __enter__(self) -> CudaOps:
-        _F.scaled_dot_product_attention, _F.dropout = self._sdpa, _dropout
+        _F.scaled_dot_product_attention, _F.dropout = self._sdpa, self._dropout
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -161,11 +162,13 @@ class CudaOps:
                                          bool(is_causal), scale, grad)
 
 
-def _dropout(input, p=0.5, training=True, inplace=False):  # noqa: A002 - F.dropout's names
-    """``at::dropout`` on CUDA: ``native_dropout`` (bool mask) when 0 < p < 1 and not in place."""
-    if training and 0 < p < 1 and not inplace and input.numel() > 0:
-        return torch.ops.aten.native_dropout(input, p, True)[0]
-    return _DROPOUT(input, p, training, inplace)
+    def _dropout(self, input, p=0.5, training=True, inplace=False):  # noqa: A002 - F.dropout's
+        """``at::dropout`` on CUDA: ``native_dropout`` (bool mask) when 0 < p < 1 and not in
+        place."""
+        if training and 0 < p < 1 and not inplace and input.numel() > 0:
+            self.dropout = True
+            return torch.ops.aten.native_dropout(input, p, True)[0]
+        return _DROPOUT(input, p, training, inplace)
 
 
 @contextlib.contextmanager

@@ -93,6 +93,14 @@ class CudaCalibration:
     # bench/estimator_gpu_anchors.py, are transformers-4.4x rows whose model code kept more
     # tensors: their gap is the old code's, not the emulation's.)
     traced_cuda_sigma: float = 0.10
+    # the same where the emulation does not act on the step (no autocast, SDPA kernel, fused
+    # dropout, bitsandbytes base, CUDA-only technique or TRL head: ``phases.emulation_acts``):
+    # CUDA then runs the ops the CPU trace measured, whose saved tensors autograd's formulas fix
+    # whatever the device (tools/autograd/derivatives.yaml); what differs is kernels' private
+    # buffers (index sorts of the embedding backward, reduction scratch), cuBLAS's workspaces
+    # being a term of their own. ASSUMED: 3% (six times the CPU-measured sigma), until a GPU
+    # results file measures an eager, unmixed step (bench/gpu_truth.py's fp32/fp16 eager cases).
+    traced_cuda_floor_sigma: float = 0.03
     # the CUDA context with lazy module loading: 300-400 MiB at init (pytorch/pytorch #107667,
     # #109888) plus the kernels a step loads (200 MiB, not measured): 1-sigma 100 MiB. ASSUMED.
     context_sigma: int = 100 * MiB

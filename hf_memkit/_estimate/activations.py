@@ -44,6 +44,7 @@ class Excess:
     replays: tuple[tuple[int, EventLog, tuple[int, ...]], ...] = ()
     replayed: dict = field(default_factory=dict, repr=False, compare=False)
     host: int = 0                          # pinned host bytes of a trainer's offloading (TRL)
+    cuda_dropout: bool = False             # CUDA targets: CUDA's fused dropout ran
 
 
 def technique_hooks(setup: TrainingSetup) -> list[Any]:
@@ -104,20 +105,20 @@ def trace_excess(spec: ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: 
         cats = {name: {k: c.get(k, 0) for k in CATEGORIES} for name, c in r.categories.items()}
         replay = ((n, r.events, r.trainable),) if r.events is not None else ()
         inputs = r.inputs // traced * accum if stage != "eval" else r.inputs
-        return out, cats, inputs, r.seconds, r.sdpa_kernels, replay, r.host
+        return out, cats, inputs, r.seconds, (r.sdpa_kernels, r.cuda_dropout), replay, r.host
 
     if full <= FULL_TRACE_MAX_LAYERS or setup.checkpoint_every_n_layers > 1:
-        ph, cats, inp, secs, kernels, rep, host = excess(full)
+        ph, cats, inp, secs, (kernels, drop), rep, host = excess(full)
         return Excess(ph, cats, inp, secs, (full,), sdpa_kernels=kernels, replays=rep,
-                      host=host)
+                      host=host, cuda_dropout=drop)
     k1, k2 = EXTRAPOLATE_AT
-    ph1, c1, inp, s1, kernels, rep1, h1 = excess(k1)
+    ph1, c1, inp, s1, (kernels, drop), rep1, h1 = excess(k1)
     ph2, c2, _, s2, _, rep2, h2 = excess(k2)
     scale = (full - k1) / (k2 - k1)
     phases = {k: _lin(ph1[k], ph2[k], scale) for k in ph1}
     cats = {k: {c: max(0, _lin(c1[k][c], c2[k][c], scale)) for c in c1[k]} for k in c1}
     return Excess(phases, cats, inp, s1 + s2, (k1, k2), sdpa_kernels=kernels,
-                  replays=rep1 + rep2, host=max(0, _lin(h1, h2, scale)))
+                  replays=rep1 + rep2, host=max(0, _lin(h1, h2, scale)), cuda_dropout=drop)
 
 
 class TraceCache:
@@ -175,7 +176,8 @@ class TraceCache:
             phases = e.phases if setup.grad_accum > 1 else {
                 p: v for p, v in e.phases.items() if not p.endswith("_accum")}
             e = Excess(phases, e.categories, e.inputs // accum * setup.grad_accum, e.seconds,
-                       e.layers, e.lower_bound, e.sdpa_kernels, e.replays, e.replayed, e.host)
+                       e.layers, e.lower_bound, e.sdpa_kernels, e.replays, e.replayed, e.host,
+                       e.cuda_dropout)
         return e
 
     def probe(self, spec: ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: str,
@@ -198,7 +200,8 @@ class TraceCache:
                                           forward_only=True, target=target)
         e = self._store[k]
         return Excess(dict(e.phases), e.categories, e.inputs * setup.grad_accum, e.seconds,
-                      e.layers, lower_bound=True, sdpa_kernels=e.sdpa_kernels, host=e.host)
+                      e.layers, lower_bound=True, sdpa_kernels=e.sdpa_kernels, host=e.host,
+                      cuda_dropout=e.cuda_dropout)
 
 
 def _batch_lower_bound(e1: Excess, e2: Excess, batch: int) -> Excess:
@@ -207,7 +210,8 @@ def _batch_lower_bound(e1: Excess, e2: Excess, batch: int) -> Excess:
                   {p: {c: max(0, _lin(e1.categories[p][c], e2.categories[p][c], m))
                        for c in e1.categories[p]} for p in e1.categories},
                   _lin(e1.inputs, e2.inputs, m), 0.0, e1.layers, lower_bound=True,
-                  host=max(0, _lin(e1.host, e2.host, m)))
+                  sdpa_kernels=e1.sdpa_kernels, host=max(0, _lin(e1.host, e2.host, m)),
+                  cuda_dropout=e1.cuda_dropout)
 
 
 def _raised_by_transformers(exc: BaseException) -> bool:

@@ -129,17 +129,28 @@ def allocator_fit(ex: Excess, spec: ModelSpec, om: OptimizerMemory,
 
 
 def _band(parts: dict[str, int], runtime: CudaRuntime, frag_at_fit: int,
-          nccl: int) -> dict[str, int]:
-    """1-sigma bytes of each uncertain term (``CudaCalibration`` says where each comes from)."""
+          nccl: int, emulated: bool) -> dict[str, int]:
+    """1-sigma bytes of each uncertain term (``CudaCalibration`` says where each comes from).
+    ``emulated``: the CUDA emulation acts on the step (``phases.emulation_acts``); where it does
+    not, the CUDA trace is the CPU-measured one but for CUDA kernels' private buffers."""
     c = CALIBRATION
     traced = parts.get("activations", 0) + parts.get("_traced_temporaries", 0)
+    cuda = c.traced_cuda_sigma if emulated else c.traced_cuda_floor_sigma
     return {
-        "activations (traced)": int(traced * math.hypot(c.traced_cpu_sigma,
-                                                                         c.traced_cuda_sigma)),
+        "activations (traced)": int(traced * math.hypot(c.traced_cpu_sigma, cuda)),
         "CUDA context": c.context_sigma if runtime.lazy_loading else c.context_eager_sigma,
         "allocator": int(c.allocator_sigma * frag_at_fit),
         "NCCL buffers": int(c.nccl_sigma * nccl),
     }
+
+
+def _margin_note(margin: int, emulated: bool) -> str:
+    return (f"margin {format_bytes(margin)}: 2 sigma of the uncertain terms combined as "
+            "independent errors (model states are exact; `hf-memkit calibrate` measures this "
+            "GPU)" + ("" if emulated else
+                      "; nothing in this step runs differently on CUDA than the traced CPU ops "
+                      "(no autocast, SDPA kernel or fused dropout), so the traced term carries "
+                      f"{CALIBRATION.traced_cuda_floor_sigma:.0%} for CUDA kernels' own buffers"))
 
 
 def _allocator_notes(fit: Replayed | None, dev: DeviceInfo, required: int,
@@ -168,7 +179,8 @@ def _allocator_notes(fit: Replayed | None, dev: DeviceInfo, required: int,
 def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: OptimizerMemory,
                  runtime: CudaRuntime | None, ranks: int, *, ex: Excess, spec: ModelSpec,
                  stage: str, micro_steps: int = 1, model_states: int = 0,
-                 weights: int = 0, fit_budget: int | None = None) -> DeviceTerms:
+                 weights: int = 0, fit_budget: int | None = None,
+                 emulated: bool = True) -> DeviceTerms:
     """Adds fragmentation and context to ``parts`` (and the workspaces to temporaries), the
     smallest device memory the step runs in (``required``) and the band. The margin: a user
     calibration's residuals are of device_used as a whole; otherwise each term's own sigma,
@@ -214,7 +226,7 @@ def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: Optimize
         if cal is not None and cal.rel_sigma is not None:
             margin = int(2 * cal.rel_sigma * used)
             return required, margin, {"calibration residuals": margin // 2}
-        sigmas = _band(band_parts, runtime, frag_at_fit, nccl)
+        sigmas = _band(band_parts, runtime, frag_at_fit, nccl, emulated)
         return required, int(2 * math.sqrt(sum(v * v for v in sigmas.values()))), sigmas
 
     required, margin, sigmas = at(frag_on_device)
@@ -232,9 +244,7 @@ def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: Optimize
     if cal is not None and cal.rel_sigma is not None:
         notes.append(f"uncertainty from {len(cal.residuals)} measured residuals of this GPU")
     else:
-        notes.append(f"margin {format_bytes(margin)}: 2 sigma of the uncertain terms combined "
-                     "as independent errors (model states are exact; `hf-memkit calibrate` "
-                     "measures this GPU)")
+        notes.append(_margin_note(margin, emulated))
     notes += _allocator_notes(fit, dev, required, allocated)
     if nccl:
         notes.append(f"NCCL communicator buffers: {format_bytes(nccl)} per rank")

@@ -264,6 +264,18 @@ def _breakdown(step: _Step, phase: str) -> dict[str, int]:
     return parts
 
 
+def emulation_acts(spec: ModelSpec, setup: TrainingSetup, ex: Excess) -> bool:
+    """Whether the CUDA emulation (``_cuda.emulation``) changes the traced step: autocast, an
+    SDPA kernel, CUDA's fused dropout, a bitsandbytes base (CUDA's dequantisation), a TRL
+    trainer's CUDA head, or a technique that acts only on CUDA. Where none does, the band's
+    traced term carries the CPU-measured error and CUDA kernels' private buffers only."""
+    if setup.amp or ex.sdpa_kernels or ex.cuda_dropout or spec.quant_bits:
+        return True
+    if setup.trainer_kind.step(setup.trainer_options) is not None:
+        return True
+    return any(not TECHNIQUES.get(u.name).acts_on("cpu") for u in setup.techniques)
+
+
 def _kernel_note(ex: Excess, target: CudaTarget | None) -> list[str]:
     if target is None or not ex.sdpa_kernels:
         return []
@@ -329,7 +341,7 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
                          setup.sharding.world_size, ex=ex, spec=trace_spec, stage=stage,
                          micro_steps=min(setup.grad_accum, 2) if stage == "train" else 1,
                          model_states=rs.model_states, weights=rs.weights,
-                         fit_budget=fit_budget)
+                         fit_budget=fit_budget, emulated=emulation_acts(spec, setup, ex))
     allocated, reserved, used, rel = terms.allocated, terms.reserved, terms.used, terms.rel_sigma
     notes += terms.notes + _kernel_note(ex, target)
     if ex.host:

@@ -83,6 +83,7 @@ class TraceResult:
     categories: dict[str, dict[str, int]] = field(default_factory=dict)  # per phase, at its peak
     seconds: float = 0.0
     sdpa_kernels: tuple[str, ...] = ()   # the CUDA kernel of each SDPA call (CUDA targets)
+    cuda_dropout: bool = False           # CUDA's fused dropout ran (CUDA targets)
     events: EventLog | None = None       # CUDA targets: allocations and frees, for the replay
     trainable: tuple[int, ...] = ()      # bytes of each trainable parameter, in model order
     reference: int = 0                   # weights of a reference model copy (in ``weights``)
@@ -376,7 +377,6 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
 
     ``hooks``: the setup's techniques, ``hook(model, stage=, adapters=, target=)`` on the fake
     (base) model. ``forward_only``: trace only the first micro-step's forward (a lower bound).
-
     ``target``: a CUDA target to trace as CUDA runs it (``_cuda.emulation``: CUDA's autocast
     policy, SDPA kernel and dropout); None traces this CPU's behaviour.
 
@@ -416,7 +416,7 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
         categories[name] = snap
         _reset_peak(mt)
 
-    kernels: list[str] = []
+    kernels, dropout = [], False  # SDPA kernels CUDA picks; whether its fused dropout ran
     log = EventLog() if target is not None and not forward_only else None
     stacks = block_stacks([model, ref], layer_count(config)) if log is not None else []
     for i in range(1 if forward_only else n_micro):
@@ -437,9 +437,10 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
                     del out
                 record(mt, "eval")
             if cuda_ops is not None and i == 0:
-                kernels = list(cuda_ops.kernels)
+                kernels, dropout = list(cuda_ops.kernels), cuda_ops.dropout
     return TraceResult(num_layers=layer_count(config), weights=weights, grads=grads,
-                       inputs=inputs, phases=phases, categories=categories,
+                       inputs=inputs, phases=phases, categories=categories, events=log,
                        seconds=time.perf_counter() - t0, sdpa_kernels=tuple(kernels),
-                       events=log, trainable=tuple(p.numel() * p.element_size() for p in params),
+                       cuda_dropout=dropout, trainable=tuple(p.numel() * p.element_size()
+                                                             for p in params),
                        reference=ref_bytes, host=trainer.host_peak() if trainer else 0)

@@ -233,3 +233,33 @@ def test_seq_len_beyond_learned_positions():
     with pytest.raises(mk.HfMemkitError, match=r"exceeds .* learned position.*<= 128"):
         est(gpt2, seq_len=256)
     assert est(LLAMA, seq_len=4096, args=dict(per_device_train_batch_size=1)).peak_allocated > 0
+
+
+def test_band_counts_the_cuda_emulation_only_where_it_acts():
+    """The traced term's CUDA share is the emulation's (autocast, SDPA kernels, fused dropout):
+    an eager, unmixed step without dropout runs on CUDA the ops the CPU trace measured, so its
+    margin is the small floor; any of the three brings the emulation's sigma back."""
+    import dataclasses
+
+    from hf_memkit._cuda.runtime import CALIBRATION
+    from hf_memkit._estimate import device
+
+    def on_cuda(config=LLAMA, args=None, attn="eager"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return est(config, args or {}, device="A100-80GB", attn_implementation=attn)
+
+    said = "runs differently on CUDA"
+    plain = on_cuda()
+    assert any(said in n for n in plain.notes)
+    dropout = LlamaConfig(**{**LLAMA.to_dict(), "attention_dropout": 0.1})
+    for e in (on_cuda(dropout), on_cuda(attn="sdpa"), on_cuda(args={"bf16": True})):
+        assert not any(said in n for n in e.notes)
+    # the same step's margin with the emulation's sigma instead of the floor
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(device, "CALIBRATION", dataclasses.replace(
+            CALIBRATION, traced_cuda_floor_sigma=CALIBRATION.traced_cuda_sigma))
+        full = on_cuda()
+    traced = plain.margin_terms["activations (traced)"]
+    assert traced < full.margin_terms["activations (traced)"]
+    assert plain.required == full.required and plain.margin < full.margin
