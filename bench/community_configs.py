@@ -119,18 +119,15 @@ def with_trained_adapters(row: dict[str, Any], model: Any) -> Any:
     import peft
     import torch
 
+    from hf_memkit._model.adapters import cast_adapters
     from hf_memkit._model.catalog import load_bundled_config
     from hf_memkit._model.tasks import auto_class
 
     config = model if not isinstance(model, str) else load_bundled_config(model)
-    auto = auto_class(row["task"])
     with torch.device("meta"):
-        meta = auto.from_config(config, dtype=_dtype(row) or torch.float32)
+        meta = auto_class(row["task"]).from_config(config, dtype=_dtype(row) or torch.float32)
         meta = peft.get_peft_model(meta, build_peft(row))
-    dtype = getattr(torch, row["adapter_dtype"])
-    for p in meta.parameters():
-        if p.requires_grad:
-            p.data = p.data.to(dtype)
+    cast_adapters(meta, getattr(torch, row["adapter_dtype"]))
     return meta
 
 
@@ -138,7 +135,8 @@ def estimate(row: dict[str, Any], model: Any) -> Any:
     import hf_memkit as mk
 
     return mk.estimate_memory(
-        with_trained_adapters(row, model), dict(row["args"]), seq_len=row["seq_len"], device=row["gpu"],
+        with_trained_adapters(row, model), dict(row["args"]), seq_len=row["seq_len"],
+        device=row["gpu"],
         stage=row.get("stage", "train"), task=row["task"], target_len=row.get("target_len"),
         dtype=_dtype(row), attn_implementation=row.get("attn_implementation"),
         peft_config=build_peft(row), quantization_config=build_quant(row),

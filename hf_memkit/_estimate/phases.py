@@ -306,8 +306,8 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
     verdict depends on it (``device.device_terms``)."""
     runtime = cuda_runtime(cuda_version) if dev.kind == "cuda" else None
     target = CudaTarget.of(dev.compute_capability, runtime.version) if runtime else None
-    cast = trained_spec(spec, setup)
     notes = check_setup(spec, setup, dev, seq_len)
+    cast = trained_spec(spec, setup)
     if cast is not spec:
         notes.append(setup.trainer_kind.adapter_note(cast.lora.adapter_dtype))
         spec = cast

@@ -98,8 +98,9 @@ class ModelSpec:
 
     def with_adapter_dtype(self, dtype: torch.dtype) -> ModelSpec:
         """The same model with its trainable adapters cast to ``dtype``, as a trainer casts them
-        (``_trainers.TrainerKind.adapter_dtype``); memoised, with a meta model of its own."""
-        if self.lora is None or self.lora.adapter_dtype == dtype:
+        (``_trainers.TrainerKind.adapter_dtype``); memoised, with a meta model of its own. The
+        spec itself where its adapters already have that dtype."""
+        if self.lora is None or adapter_dtype_of(self.meta) == dtype:
             return self
         key = ("adapters", dtype)
         if key not in self._variants:
