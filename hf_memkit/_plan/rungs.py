@@ -1,9 +1,8 @@
 """What each memory rung of the chosen setup saved: ``Plan.ladder``, shown by ``explain()``.
 
 The chosen setup is taken apart one rung at a time, the costliest first (the method after
-full fine-tuning, pure bf16, then the searched techniques by ``Technique.ladder``: checkpoint
-offload, checkpointing, Liger's fused head; and the optimizer instead of the fastest one),
-and each setup on the way down is estimated exactly at the chosen micro-batch. Read from the
+full fine-tuning, another optimizer than the user's, pure bf16, then the searched techniques by
+``Technique.ladder``: checkpoint offload, checkpointing, Liger's fused head), and each setup on the way down is estimated exactly at the chosen micro-batch. Read from the
 bottom up, every rung's line is what adding it saved on the device (and kept in host RAM) and
 what it costs in predicted time per sample. Rungs the user pinned are shown too: they are part of
 the setup's memory.
@@ -17,10 +16,10 @@ from typing import Any
 
 from .._errors import HfMemkitError
 from .._techniques import TECHNIQUES
-from .space import Candidate, optimizers
+from .space import Candidate, user_optimizer
 
-OPTIM_RUNG = 20       # between Liger's fused head (10) and checkpointing (30)
 PURE_BF16_RUNG = 60   # after checkpoint offload (40)
+OPTIM_RUNG = 65       # another optimizer than the user's: after every rung that keeps the recipe
 METHOD_RUNG = 70      # LoRA / 8-bit / 4-bit bases: the last resort of method="auto"
 
 
@@ -44,10 +43,10 @@ def rungs(search: Any, c: Candidate) -> list[tuple[int, str, Callable[[Candidate
     for name in c.techniques:
         t = TECHNIQUES.get(name)
         out.append((t.ladder, t.display, lambda x, n=name: _without(x, n)))
-    fastest = optimizers(search.req)[0]
-    if c.optim != fastest:
-        out.append((OPTIM_RUNG, f"{c.optim} instead of {fastest}",
-                    lambda x: _fresh(x, optim=fastest)))
+    mine = user_optimizer(search.req)
+    if c.optim != mine:
+        out.append((OPTIM_RUNG, f"{c.optim} instead of {mine} (your optimizer)",
+                    lambda x: _fresh(x, optim=mine)))
     if c.precision == "pure-bf16":
         out.append((PURE_BF16_RUNG, "pure bf16 (no fp32 master weights)",
                     lambda x: _fresh(x, precision="bf16")))

@@ -25,7 +25,7 @@ from .._units import format_bytes
 from .cost import Shape, cost
 from .emit import ArgsContext, training_args
 from .request import PlanRequest
-from .space import Candidate, SpecBook, rung_of
+from .space import Candidate, SpecBook, rung_of, user_optimizer
 
 PURE_BF16 = "pure-bf16"
 
@@ -150,19 +150,33 @@ class Search:
             g = _group(c)
             if g not in self._smallest or c.micro_batch < self._smallest[g].micro_batch:
                 self._smallest[g] = c
+        mine = user_optimizer(self.req)
         for meth in self.methods:
-            for tier in (0, 1):
+            for own_optim, tier in ((True, 0), (True, 1), (False, 0), (False, 1)):
                 pool = sorted((c for c in candidates if c.method == meth.name and not c.reason
-                               and rung_of(c.parallel).tier == tier),
+                               and rung_of(c.parallel).tier == tier
+                               and (c.optim == mine) == own_optim),
                               key=lambda c: (c.precision == PURE_BF16, c.rel_time))
                 chosen = next((c for c in pool if not c.reason and self._smallest_fits(c)
                                and self._try(c)), None)
                 if chosen is not None:
+                    if not own_optim:
+                        self._swapped_optimizer(chosen, mine)
                     return chosen
             if meth.name == "full" and self.req.method == "auto" and len(self.methods) > 1:
                 self.notes.append("no full fine-tuning setup fits; falling back to LoRA, which "
                                   "trains adapters instead of all weights")
         self.raise_impossible(candidates)
+
+    def _swapped_optimizer(self, chosen: Candidate, mine: str) -> None:
+        """The optimizer is part of the user's recipe: say loudly that it was changed."""
+        msg = (f"no {chosen.method} setup with {mine} (TrainingArguments' default optimizer) fits "
+               f"{format_bytes(self.budget)} on {self.req.dev.name}; the plan uses "
+               f"{chosen.optim} instead, which changes the optimizer's numerics. Pin "
+               f"optim={mine!r} to keep it (the plan then says what it needs), or pin "
+               f"optim={chosen.optim!r} to accept this one")
+        self.notes.append(msg)
+        warnings.warn(msg, UserWarning, stacklevel=3)
 
     def eval_batch(self, chosen: Candidate) -> int:
         """The largest power of two (<= 4 x the micro-batch) whose eval step fits, traced

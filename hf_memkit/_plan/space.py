@@ -21,6 +21,7 @@ from .._estimate import MemoryEstimate
 from .._methods import Method
 from .._model.spec import ModelSpec, resolve_model
 from .._optimizers import get_optimizer_profile, planner_optimizers
+from .._setup.fields import training_args_fields
 from .._techniques import TECHNIQUES, Technique, searched
 from .._techniques.checkpointing import NAME as CHECKPOINTING
 from .lengths import padding_free_choices
@@ -201,10 +202,25 @@ def strategies(req: PlanRequest, method: Method) -> list[Rung]:
     return [r for r in rungs if method.allows_rung(r)]
 
 
-def optimizers(req: PlanRequest) -> list[str]:
+def user_optimizer(req: PlanRequest) -> str:
+    """The optimizer the user's arguments name: the pin, else ``TrainingArguments``' own default
+    (``adamw_torch_fused`` on torch >= 2.8) where the planner can run it on this device."""
     if "optim" in req.pins:
-        return [req.pins["optim"]]
-    return planner_optimizers(req.dev.kind)
+        return req.pins["optim"]
+    searched = planner_optimizers(req.dev.kind)
+    default = training_args_fields()["optim"]
+    default = str(getattr(default, "value", default))
+    return default if default in searched else searched[0]
+
+
+def optimizers(req: PlanRequest) -> list[str]:
+    """The optimizers searched: the user's first, then the others by step cost. Another
+    optimizer changes the recipe, so the search tries it only where no setup with the user's
+    fits (``Search.run``), and the plan warns."""
+    mine = user_optimizer(req)
+    if "optim" in req.pins:
+        return [mine]
+    return [mine] + [o for o in planner_optimizers(req.dev.kind) if o != mine]
 
 
 def _rung_precision_optim(req: PlanRequest, meth: Method) -> Iterator[tuple[Rung, str, str]]:

@@ -212,3 +212,37 @@ def test_lora_ladder_reaches_the_8bit_base_before_giving_up():
     assert p.chosen.method == "lora-8bit"
     assert p.model_kwargs["quantization_config"].load_in_8bit
     assert p.chosen.device_used < lora_min
+
+
+def test_the_users_optimizer_is_kept_whenever_a_setup_with_it_fits():
+    """The optimizer is part of the recipe: with room, TrainingArguments' default (fused AdamW)
+    is planned even where another optimizer would reach a larger micro-batch; where no setup
+    with it fits, another one is chosen with a warning, a note and its own rung in the ladder,
+    and the setup without that rung really does not fit."""
+    room = 30 * MiB
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        warnings.filterwarnings("error", message="no .* setup with")  # no optimizer warning
+        roomy = mk.plan_training(TINY, seq_len=SEQ, target_batch_size=TARGET, device=cpu(room),
+                                 max_memory=room, method="full")
+    assert roomy.chosen.optim == "adamw_torch_fused"
+    assert not any("instead of" in r["rung"] for r in roomy.ladder)
+    # Adafactor without checkpointing would be faster, and fits: it is still not chosen
+    faster = min((c for c in roomy.candidates if c.optim == "adafactor" and not c.checkpointing
+                  and c.micro_batch == roomy.chosen.micro_batch), key=lambda c: c.rel_time)
+    assert faster.rel_time < 1.0
+    args = dict(roomy.training_args_kwargs, optim="adafactor", gradient_checkpointing=False)
+    assert mk.estimate_memory(TINY, args, device=cpu(room), seq_len=SEQ).upper <= room
+
+    budget = 12 * MiB
+    with pytest.warns(UserWarning, match="no full setup with adamw_torch_fused .* fits"):
+        tight = mk.plan_training(TINY, seq_len=SEQ, target_batch_size=TARGET, device=cpu(budget),
+                                 max_memory=budget, method="full")
+    assert tight.chosen.optim != "adamw_torch_fused"
+    assert any(f"uses {tight.chosen.optim} instead" in n for n in tight.notes)
+    row = next(r for r in tight.ladder if r["rung"].startswith(f"{tight.chosen.optim} instead"))
+    assert row["must_fit"] <= budget < row["must_fit"] + row["saved"]
+    # an independent estimate of the chosen setup with fused AdamW: over the budget
+    args = dict(tight.training_args_kwargs, optim="adamw_torch_fused")
+    again = mk.estimate_memory(TINY, args, device=cpu(budget), seq_len=SEQ)
+    assert again.upper > budget
