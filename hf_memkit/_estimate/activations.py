@@ -8,6 +8,7 @@ extrapolated linearly in the block count, so a 70B plan takes seconds. Each phas
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass, field
@@ -25,6 +26,10 @@ from .._trace.step import trace_step
 FULL_TRACE_MAX_LAYERS = 4
 EXTRAPOLATE_AT = (2, 3)
 CATEGORIES = ("Activation", "Temp", "Gradient")
+# what an accumulating trace's first micro-step holds beyond the non-accumulating step: the
+# 0-d loss divided by the accumulation steps (_trace.step), one block of the CUDA allocator's
+# smallest size (512 B; a few bytes on CPU)
+LOSS_SCALE_SLACK = 512
 
 
 @dataclass
@@ -134,7 +139,9 @@ class TraceCache:
     The key is the spec's ``trace_identity()`` and the setup's ``trace_key()`` (every setup field
     a trace can depend on, techniques included), plus whether the setup accumulates, so
     optimizers, engines and accumulation lengths share a trace, and a new technique never does
-    with the plain setup.
+    with the plain setup. The line's two traces are two-micro-step traces for every train
+    setup: their first micro-step is the non-accumulating step (but for the 0-d loss scaling,
+    ``LOSS_SCALE_SLACK``), so one pair bounds both.
     """
 
     def __init__(self) -> None:
@@ -159,24 +166,31 @@ class TraceCache:
         key = self.key(spec, setup, seq_len=seq_len, stage=stage, target_len=target_len,
                        padded=padded, target=target) + (accum,)
 
-        def at(b: int) -> Excess:
-            k = key + (b,)
+        def at(b: int, n: int = accum) -> Excess:
+            k = key[:-1] + (n, b)
             if k not in self._store:
-                s = setup.replace(micro_batch=b, eval_batch=b, grad_accum=accum)
+                s = setup.replace(micro_batch=b, eval_batch=b, grad_accum=n)
                 self._store[k] = trace_excess(spec, s, seq_len=seq_len, stage=stage,
                                               target_len=target_len, padded=padded,
                                               target=target)
             return self._store[k]
 
+        traced = accum
         if exact or batch <= 2 or key + (batch,) in self._store:
             e = at(batch)
         else:  # lower bound (see the class docstring)
-            e = _batch_lower_bound(at(1), at(2), batch)
+            # a train step's line runs through two-micro-step traces whatever the setup's
+            # accumulation (one pair of traces for both): their first micro-step is the
+            # non-accumulating step but for the accumulation's 0-d loss scaling
+            traced = 2 if stage == "train" else accum
+            e2 = at(2, traced)
+            e = _batch_lower_bound(at(1, traced), _less(e2, LOSS_SCALE_SLACK)
+                                   if traced > accum else e2, batch)
         if stage == "train":  # the Trainer prefetches all micro-batches of a step
-            phases = e.phases if setup.grad_accum > 1 else {
-                p: v for p, v in e.phases.items() if not p.endswith("_accum")}
-            e = Excess(phases, e.categories, e.inputs // accum * setup.grad_accum, e.seconds,
-                       e.layers, e.lower_bound, e.sdpa_kernels, e.replays, e.replayed, e.host,
+            keep = [p for p in e.phases if setup.grad_accum > 1 or not p.endswith("_accum")]
+            e = Excess({p: e.phases[p] for p in keep}, {p: e.categories[p] for p in keep},
+                       e.inputs // traced * setup.grad_accum, e.seconds, e.layers,
+                       e.lower_bound, e.sdpa_kernels, e.replays, e.replayed, e.host,
                        e.cuda_dropout)
         return e
 
@@ -202,6 +216,15 @@ class TraceCache:
         return Excess(dict(e.phases), e.categories, e.inputs * setup.grad_accum, e.seconds,
                       e.layers, lower_bound=True, sdpa_kernels=e.sdpa_kernels, host=e.host,
                       cuda_dropout=e.cuda_dropout)
+
+
+def _less(e: Excess, slack: int) -> Excess:
+    """``e`` with ``slack`` bytes off every phase and category (at least 0): what a lower bound
+    built on it may leave out."""
+    return dataclasses.replace(
+        e, phases={k: max(0, v - slack) for k, v in e.phases.items()},
+        categories={p: {c: max(0, v - slack) for c, v in cs.items()}
+                    for p, cs in e.categories.items()})
 
 
 def _batch_lower_bound(e1: Excess, e2: Excess, batch: int) -> Excess:
