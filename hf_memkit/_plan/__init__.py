@@ -11,6 +11,8 @@ trained, so it is a fallback, never a speed trick).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -64,8 +66,9 @@ def _finish(s: Search, cands: list[Candidate], chosen: Candidate) -> Plan:
                 c.method == chosen.method) else (
                 "not needed: a full fine-tuning setup fits" if chosen.method == "full"
                 else "not estimated")
-    ladder = ladder_savings(s, chosen)  # before rel_time is made relative
     base_time = chosen.rel_time
+    # on first use, with the chosen setup's own predicted time (rel_time is made relative below)
+    ladder = functools.partial(ladder_savings, s, dataclasses.replace(chosen, rel_time=base_time))
     for c in cands:
         c.rel_time = c.rel_time / base_time
     spec, peft_cfg, quant = s.book.get(chosen.method, chosen.precision)
@@ -95,7 +98,7 @@ def _finish(s: Search, cands: list[Candidate], chosen: Candidate) -> Plan:
                 training_args_kwargs=ta, model_kwargs=model_kwargs(chosen, attn, quant, req.dev),
                 peft_config=peft_cfg, accelerator_kwargs=accelerator_kwargs(chosen, ta),
                 candidates=cands, notes=notes, num_nodes=req.nodes, parallel=parallel,
-                ladder=ladder)
+                _ladder=ladder)
 
 
 def _request(model: Any, *, seq_len: int | None = None, target_batch_size: int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,13 +50,24 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     num_nodes: int = 1
     parallel: dict[str, Any] = field(default_factory=dict)  # engine, strategy, launch details
-    ladder: list[dict[str, Any]] = field(default_factory=list)  # what each rung saved (_plan.rungs)
+    # what each rung saved (_plan.rungs), or the search that works it out on first use
+    _ladder: list[dict[str, Any]] | Callable[[], list[dict[str, Any]]] = field(
+        default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # the candidates' estimates are judged against the plan's budget (``MemoryEstimate.fits``)
         for c in self.candidates:
             if c.estimate is not None and c.estimate.budget is None:
                 c.estimate.budget, c.estimate.budget_basis = self.budget, "the plan's budget"
+
+    @property
+    def ladder(self) -> list[dict[str, Any]]:
+        """What each memory rung of the chosen setup saved (``_plan.rungs.ladder_savings``).
+        Estimated on first use (``explain()``, ``to_json()``): a plan that is only applied
+        does not pay for the setups below its rungs."""
+        if callable(self._ladder):
+            self._ladder = self._ladder()
+        return self._ladder
 
     @property
     def chosen(self) -> Candidate:
@@ -259,7 +271,7 @@ class Plan:
             peft_config=ser.peft_from_dict(d["peft_config"]),
             accelerator_kwargs=dict(d["accelerator_kwargs"]), candidates=cands,
             notes=list(d.get("notes", [])), num_nodes=d.get("num_nodes", 1),
-            parallel=dict(d.get("parallel", {})), ladder=list(d.get("ladder", [])))
+            parallel=dict(d.get("parallel", {})), _ladder=list(d.get("ladder", [])))
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
