@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .._cuda.runtime import parse_cuda_version
+from .._device.precision import precision_issues
 from .._device.probe import resolve_device
 from .._engines import Sharding
 from .._errors import ConfigError, HfMemkitError
@@ -59,26 +60,14 @@ def _problems(seq_len: Any, stage: Any, target_len: Any) -> list[str]:
 
 
 def _warn_precision(amp: str | None, tf32: bool, dev: Any) -> None:
-    """A ``UserWarning`` for precision the device cannot run as asked: the estimate is still
-    made (a plan for other hardware may want it), but it describes a run that will not happen."""
+    """A ``UserWarning`` for each precision issue of the device (``_device.precision``, the rule
+    plans and recipes share): the estimate is still made, of the precision asked for."""
     import warnings
 
-    cc = ".".join(map(str, dev.compute_capability or ())) or "unknown"
-    if amp == "bf16" and dev.kind == "cuda" and not dev.supports_bf16:
-        warnings.warn(f"bf16=True on {dev.name} (compute capability {cc}): bf16 needs compute "
-                      "capability 8.0 or newer (Ampere+), and TrainingArguments(bf16=True) "
-                      "raises on this GPU; the estimate is for a run that cannot start. Use "
-                      "fp16=True on this GPU", UserWarning, stacklevel=3)
-    if amp == "fp16" and dev.kind == "cpu":
-        warnings.warn("fp16=True on a CPU: fp16 mixed precision needs a GPU (on a CPU "
-                      "accelerate leaves it off and the step runs in fp32), so this estimate of "
-                      "fp16 autocast does not describe a CPU run. On a CPU use bf16=True with "
-                      "use_cpu=True, or no mixed precision; to estimate for a GPU pass "
-                      "device='T4' (or another catalog GPU)", UserWarning, stacklevel=3)
-    if tf32 and dev.kind == "cuda" and not dev.supports_tf32:
-        warnings.warn(f"tf32=True on {dev.name} (compute capability {cc}): TF32 needs an "
-                      "Ampere or newer GPU, and TrainingArguments(tf32=True) raises on this GPU; "
-                      "drop tf32", UserWarning, stacklevel=3)
+    for issue in precision_issues(dev, bf16=amp == "bf16", fp16=amp == "fp16", tf32=tf32):
+        warnings.warn(issue.message + ("; plans and recipes refuse it, and this estimate is of "
+                                       "the precision asked for" if issue.refused else ""),
+                      UserWarning, stacklevel=3)
 
 
 def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,

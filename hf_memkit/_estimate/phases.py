@@ -24,6 +24,7 @@ import torch
 
 from .._cuda.runtime import cuda_runtime
 from .._cuda.target import CudaTarget
+from .._device.precision import precision_issues
 from .._device.probe import DeviceInfo
 from .._engines import RankStates, ReferenceSizes, StateSizes, rank_states
 from .._errors import HfMemkitError
@@ -55,9 +56,7 @@ def check_setup(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, seq_len:
         raise HfMemkitError(f"seq_len {seq_len} exceeds this model's learned position "
                             f"embeddings ({learned}); use seq_len <= {learned}")
     notes = []
-    if setup.amp == "bf16" and dev.kind == "cuda" and not dev.supports_bf16:
-        notes.append(f"{dev.name} has no bf16 tensor cores (compute capability "
-                     f"{dev.compute_capability}); bf16 runs emulated and slow")
+    notes += [i.message for i in precision_issues(dev, bf16=setup.amp == "bf16")]
     if setup.tf32:
         notes.append("tf32 changes matmul precision only; no memory effect")
     notes.extend(f"not modelled: {u}" for u in setup.unmodelled)

@@ -15,6 +15,7 @@ from functools import cached_property
 from typing import Any, NamedTuple
 
 from .._cuda.runtime import parse_cuda_version
+from .._device.precision import PrecisionIssue, precision_issues
 from .._device.probe import DeviceInfo, probe_device, resolve_device
 from .._engines import engine_choices
 from .._errors import ConfigError, did_you_mean
@@ -176,7 +177,16 @@ class PlanRequest:
                 out.append(Problem("method", f"method `{self.method}` {wanted[0].missing()}"))
         if self.engine not in engine_choices():
             out.append(_choice_problem("engine", self.engine, engine_choices()))
+        if not self.partial:
+            out += [Problem(i.field, i.message) for i in self.precision_issues() if i.refused]
         return out
+
+    def precision_issues(self) -> list[PrecisionIssue]:
+        """What the device makes of the pinned precision (``_device.precision``: the rule
+        estimates and recipes share); the planner never picks a precision with an issue."""
+        return precision_issues(self.dev, bf16=self.pins.get("bf16") is True,
+                                fp16=self.pins.get("fp16") is True,
+                                tf32=self.pins.get("tf32") is True)
 
     def _rank_problems(self) -> list[Problem]:
         ranks, nodes = self.ranks, self.nodes

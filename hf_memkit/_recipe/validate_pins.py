@@ -7,6 +7,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from .._device.precision import precision_issues
 from .._errors import ConfigError, HfMemkitError, did_you_mean
 from .checker import Checker
 from .schema import FIELDS, leaf_key
@@ -54,13 +55,12 @@ def check_pins(pins: dict[str, Any], c: Checker, *, dev: Any,
 
 
 def _check_pinned_precision(known: dict[str, Any], c: Checker, dev: Any) -> None:
-    if known.get("bf16") and not dev.supports_bf16 and dev.kind != "cpu":
-        c.add("pins.bf16", f"{dev.name} has no bf16 support (compute capability "
-                           f"{'.'.join(map(str, dev.compute_capability or ()))}); use fp16: "
-                           "true or drop the pin")
-    if known.get("fp16") and dev.kind == "cpu":
-        c.add("pins.fp16", "fp16 mixed precision needs a CUDA GPU; on 'cpu' drop it (or "
-                           "use bf16: true)")
-    if known.get("tf32") and not dev.supports_tf32:
-        c.add("pins.tf32", f"{dev.name} has no TF32 (needs an Ampere or newer GPU); drop "
-                           "the pin")
+    """The rule estimates and plans share (``_device.precision``): a refused precision is a
+    problem of the recipe, the others a warning."""
+    for issue in precision_issues(dev, bf16=known.get("bf16") is True,
+                                  fp16=known.get("fp16") is True, tf32=known.get("tf32") is True):
+        if issue.refused:
+            c.add(f"pins.{issue.field}", issue.message)
+        else:
+            warnings.warn(f"{c.where}: pins.{issue.field}: {issue.message}", UserWarning,
+                          stacklevel=2)

@@ -211,7 +211,7 @@ CLI_CASES = {
                                  ["'fast'", "a number"]),
     "train max_steps=-3": (["train", TINY_RECIPE, "max_steps=-3"], ["-3", "or -1"]),
     "train fp16 on a CPU recipe": (["train", TINY_RECIPE, "fp16=true"],
-                                   ["pins.fp16", "needs a CUDA GPU"]),
+                                   ["pins.fp16", "fp16 mixed precision needs a GPU"]),
 }
 
 
@@ -374,7 +374,7 @@ def test_bf16_false_on_the_command_line_turns_bf16_off(tiny_dir, capsys):
     assert outs[("bf16=true",)] != outs[()]
     # with bf16 off, fp16 is the only mixed precision: on a CPU recipe it is refused
     code, err = cli(["train", TINY_RECIPE, "bf16=False", "fp16=True"], capsys)
-    assert code == 2 and "pins.fp16: fp16 mixed precision needs a CUDA GPU" in err
+    assert code == 2 and "pins.fp16: fp16=True on a CPU: fp16 mixed precision needs a GPU" in err
     capsys.readouterr()
     assert main(["estimate", str(tiny_dir), "--gpu", "cpu", "--seq-len", "8", "--json",
                  "bf16=False", "fp16=True"]) == 0
@@ -485,7 +485,8 @@ def test_estimate_warns_about_precision_the_device_lacks(tiny_dir):
     """Item 14: bf16 on a V100 (compute capability 7.0) and fp16 on a CPU are estimated, with a
     warning that the run cannot happen as asked."""
     with pytest.warns(UserWarning, match=r"bf16=True on V100-SXM2-16GB \(compute capability "
-                                         r"7.0\): bf16 needs compute capability 8.0"):
+                                         r"7.0\): no bf16 tensor cores before compute "
+                                         r"capability 8.0 .* the run starts"):
         mk.estimate_memory(str(tiny_dir), dict(bf16=True), seq_len=64, device="V100-16GB")
     with pytest.warns(UserWarning, match="fp16=True on a CPU"):
         mk.estimate_memory(str(tiny_dir), dict(fp16=True), seq_len=64, device="cpu")

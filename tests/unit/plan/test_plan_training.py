@@ -246,3 +246,35 @@ def test_the_users_optimizer_is_kept_whenever_a_setup_with_it_fits():
     args = dict(tight.training_args_kwargs, optim="adamw_torch_fused")
     again = mk.estimate_memory(TINY, args, device=cpu(budget), seq_len=SEQ)
     assert again.upper > budget
+
+
+def test_one_precision_rule_for_plans_estimates_and_recipes(tmp_path):
+    """bf16 on a T4 runs (torch emulates it and TrainingArguments accepts it): plan, estimate
+    and recipe all warn with one message and none refuses; tf32 on a T4 (TrainingArguments
+    raises) and fp16 on a CPU are refused by plans and recipes alike."""
+    from hf_memkit._recipe import load_recipe
+
+    said = "no bf16 tensor cores before compute capability 8.0"
+    with pytest.warns(UserWarning, match=said):
+        p = mk.plan_training("gpt2", seq_len=128, target_batch_size=8, device="T4",
+                             bf16=True)
+    assert p.training_args_kwargs["bf16"] and any(said in n for n in p.notes)
+    with pytest.warns(UserWarning, match=said):
+        est = mk.estimate_memory("gpt2", {"bf16": True, "per_device_train_batch_size": 8},
+                                 seq_len=128, device="T4")
+    assert any(said in n for n in est.notes)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: gpt2\ntraining: {seq_len: 8, target_batch_size: 8}\n"
+                      "hardware: {device: T4}\npins: {bf16: true}\n")
+    with pytest.warns(UserWarning, match=f"pins.bf16: .*{said}"):
+        load_recipe(recipe)
+
+    for device, pin, fragment in (("T4", "tf32", "TrainingArguments\\(tf32=True\\) raises"),
+                                  ("cpu", "fp16", "fp16=True on a CPU")):
+        with pytest.raises(mk.HfMemkitError, match=fragment):
+            mk.plan_training("gpt2", seq_len=128, target_batch_size=8, device=device,
+                             **{pin: True})
+        recipe.write_text(f"model: gpt2\ntraining: {{seq_len: 8, target_batch_size: 8}}\n"
+                          f"hardware: {{device: {device}}}\npins: {{{pin}: true}}\n")
+        with pytest.raises(mk.HfMemkitError, match=f"pins.{pin}: .*{fragment}"):
+            load_recipe(recipe)

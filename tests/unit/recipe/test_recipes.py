@@ -211,7 +211,7 @@ training: {{seq_len: 8, target_batch_size: 1}}
     ("model: gpt2\ntraining: {seq_len: 8, target_batch_size: 12}\nhardware: {device: A100-80GB,"
      " num_gpus: 8}", "training.target_batch_size", "nearest valid targets: 8, 16"),
     ("model: gpt2\ntraining: {seq_len: 8, target_batch_size: 8}\nhardware: {device: T4}\n"
-     "pins: {bf16: true}", "pins.bf16", "T4 has no bf16 support"),
+     "pins: {tf32: true}", "pins.tf32", "tf32=True on T4 (compute capability 7.5): TF32 needs"),
     ("model: gpt2\ntraining: {seq_len: 8, target_batch_size: 8}\n"
      "pins: {per_device_train_batch_size: 3}", "pins.per_device_train_batch_size",
      "does not divide the per-GPU batch 8"),
