@@ -53,9 +53,11 @@ def search_for(req: PlanRequest) -> tuple[Search, list[Candidate]]:
                   facts["hidden_size"] or 1, facts["num_attention_heads"] or 1, req.seq_len,
                   req.per_rank, req.nodes)
     s = Search(req, book, ctx, shape, methods, req.budget(), req.host_budget())
-    for issue in req.precision_issues():  # the refused ones are the request's problems
-        s.notes.append(issue.message)
-        warnings.warn(issue.message, UserWarning, stacklevel=3)
+    said = [i.message for i in req.precision_issues()]  # the refused: the request's problems
+    said += [w for w in [book.base.positions_warning(req.seq_len)] if w]
+    for message in said:
+        s.notes.append(message)
+        warnings.warn(message, UserWarning, stacklevel=3)
     return s, candidates(req, methods, book, s.notes)
 
 

@@ -240,9 +240,21 @@ def _training_section(st: _State) -> None:
         limit = getattr(st.config, "max_position_embeddings", None) or getattr(
             st.config, "n_positions", None)
         if isinstance(limit, int) and st.seq_len > limit:
-            c.add("training.seq_len", f"{st.seq_len} is longer than the model's {limit} "
-                                      "positions (max_position_embeddings); lower seq_len or "
-                                      "set model.overrides.max_position_embeddings")
+            _positions(st, limit)
+
+
+def _positions(st: _State, limit: int) -> None:
+    """The rule estimates and plans follow (``ModelSpec.positions_warning``): a learned position
+    table refuses a longer sequence, computed (rotary) positions run with a warning."""
+    from .._model.spec import resolve_model
+
+    warning = resolve_model(st.config).positions_warning(st.seq_len)
+    if warning:
+        warnings.warn(f"{st.c.where}: training.seq_len: {warning}", UserWarning, stacklevel=2)
+    else:
+        st.c.add("training.seq_len", f"{st.seq_len} is longer than the model's {limit} "
+                                     "learned positions (max_position_embeddings); lower "
+                                     "seq_len")
 
 
 # -- hardware ---------------------------------------------------------------------------------

@@ -278,3 +278,32 @@ def test_one_precision_rule_for_plans_estimates_and_recipes(tmp_path):
                           f"hardware: {{device: {device}}}\npins: {{{pin}: true}}\n")
         with pytest.raises(mk.HfMemkitError, match=f"pins.{pin}: .*{fragment}"):
             load_recipe(recipe)
+
+
+def test_a_sequence_past_the_positions_is_refused_or_warned_as_transformers_would(tmp_path):
+    """A learned position table (GPT-2's 1024) cannot index further: refused. Rotary positions
+    (Llama) run past max_position_embeddings: plan and estimate warn and say so in their notes."""
+    rope = LlamaConfig(**{**TINY.to_diff_dict(), "max_position_embeddings": 256})
+    said = "past this model's max_position_embeddings \\(256\\)"
+    with pytest.warns(UserWarning, match=said):
+        est = mk.estimate_memory(rope, {"per_device_train_batch_size": 1}, seq_len=512,
+                                 device="cpu")
+    assert any("max_position_embeddings (256)" in n for n in est.notes)
+    with pytest.warns(UserWarning, match=said):
+        p = mk.plan_training(rope, seq_len=512, target_batch_size=2, device=cpu(8 * GiB))
+    assert any("max_position_embeddings (256)" in n for n in p.notes)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*max_position_embeddings")
+        mk.estimate_memory(rope, {"per_device_train_batch_size": 1}, seq_len=256, device="cpu")
+    from hf_memkit._recipe import load_recipe
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {name: Llama-3.2-1B, overrides: {max_position_embeddings: 256}}\n"
+                      "training: {seq_len: 512, target_batch_size: 2}\n")
+    with pytest.warns(UserWarning, match=f"training.seq_len: seq_len 512 is {said}"):
+        load_recipe(recipe)
+    for call in (lambda: mk.estimate_memory("gpt2", None, seq_len=2048, device="cpu"),
+                 lambda: mk.plan_training("gpt2", seq_len=2048, target_batch_size=2,
+                                          device=cpu(8 * GiB))):
+        with pytest.raises(mk.HfMemkitError, match="learned position embeddings \\(1024\\)"):
+            call()

@@ -207,7 +207,7 @@ training: {{seq_len: 8, target_batch_size: 1}}
      "training: {seq_len: 8, target_batch_size: 1}",
      "model.overrides.num_hiden_layers", "(did you mean `num_hidden_layers`?)"),
     ("model: bert-large-uncased\ntraining: {seq_len: 1024, target_batch_size: 1}",
-     "training.seq_len", "longer than the model's 512 positions"),
+     "training.seq_len", "longer than the model's 512 learned positions"),
     ("model: gpt2\ntraining: {seq_len: 8, target_batch_size: 12}\nhardware: {device: A100-80GB,"
      " num_gpus: 8}", "training.target_batch_size", "nearest valid targets: 8, 16"),
     ("model: gpt2\ntraining: {seq_len: 8, target_batch_size: 8}\nhardware: {device: T4}\n"
