@@ -34,6 +34,7 @@ from .._setup.setup import TrainingSetup
 from .._techniques import TECHNIQUES
 from .._units import format_bytes
 from .activations import Excess, TraceCache, trace_excess
+from .budget import backend_notes
 from .device import device_terms
 from .result import MemoryEstimate
 
@@ -54,7 +55,7 @@ def check_setup(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, seq_len:
     if learned and seq_len > learned:
         raise HfMemkitError(f"seq_len {seq_len} exceeds this model's learned position "
                             f"embeddings ({learned}); use seq_len <= {learned}")
-    notes = []
+    notes = backend_notes(dev)
     if setup.amp == "bf16" and dev.kind == "cuda" and not dev.supports_bf16:
         notes.append(f"{dev.name} has no bf16 tensor cores (compute capability "
                      f"{dev.compute_capability}); bf16 runs emulated and slow")
