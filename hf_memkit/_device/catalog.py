@@ -115,7 +115,8 @@ register(GpuSpec(
     "T4", 15360 * MiB, (7, 5),
     {"fp32": 8.1, "tf32": 0.0, "fp16": 65.0, "bf16": 0.0},
     320 * GB_S, "pcie3", 32 * GB_S,
-    aliases=("Tesla T4", "T4-16GB"), source="NVIDIA T4 Tensor Core GPU datasheet",
+    aliases=("Tesla T4", "T4-16GB"), source="NVIDIA T4 datasheet, https://www.nvidia.com/en-us/data-center/tesla-t4/"
+           "; nvidia-smi totals: https://github.com/modal-labs/modal-client/pull/2797",
 ))
 # --- Volta ------------------------------------------------------------------------------------
 # NVIDIA V100 datasheet (SXM2): FP32 15.7 TF, tensor 125 TF, 900 GB/s, NVLink 300 GB/s.
@@ -125,14 +126,14 @@ register(GpuSpec(
     {"fp32": 15.7, "tf32": 0.0, "fp16": 125.0, "bf16": 0.0},
     900 * GB_S, "nvlink2", 300 * GB_S,
     aliases=("V100", "V100-16GB", "Tesla V100-SXM2-16GB"),
-    source="NVIDIA V100 Tensor Core GPU datasheet",
+    source="NVIDIA V100 datasheet, https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf",
 ))
 register(GpuSpec(
     "V100-32GB", 32510 * MiB, (7, 0),
     {"fp32": 15.7, "tf32": 0.0, "fp16": 125.0, "bf16": 0.0},
     900 * GB_S, "nvlink2", 300 * GB_S,
     aliases=("V100-SXM2-32GB", "Tesla V100-SXM2-32GB", "V100S", "V100-PCIE-32GB"),
-    source="NVIDIA V100 Tensor Core GPU datasheet (SXM2 32GB)",
+    source="NVIDIA V100 datasheet (SXM2 32GB), https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf",
 ))
 # --- Ampere -----------------------------------------------------------------------------------
 # NVIDIA A10 datasheet: FP32 31.2, TF32 62.5, BF16/FP16 125 TF dense, 600 GB/s, PCIe Gen4.
@@ -141,7 +142,8 @@ register(GpuSpec(
     "A10G", 22731 * MiB, (8, 6),
     {"fp32": 31.2, "tf32": 62.5, "fp16": 125.0, "bf16": 125.0},
     600 * GB_S, "pcie4", 64 * GB_S,
-    aliases=("A10", "A10G-24GB"), source="NVIDIA A10 Tensor Core GPU datasheet",
+    aliases=("A10", "A10G-24GB"),
+    source="NVIDIA A10 datasheet, https://www.nvidia.com/en-us/data-center/products/a10-gpu/",
 ))
 # GeForce RTX 3090 (GA102 whitepaper, appendix): FP32 35.6; tensor FP16/BF16 with FP32
 # accumulate 71 TF dense (the 142 TF figure is FP16-accumulate); TF32 35.6; 936 GB/s.
@@ -150,7 +152,8 @@ register(GpuSpec(
     {"fp32": 35.6, "tf32": 35.6, "fp16": 71.0, "bf16": 71.0},
     936 * GB_S, "pcie4", 64 * GB_S,
     aliases=("RTX3090", "GeForce RTX 3090", "3090"),
-    source="NVIDIA Ampere GA102 GPU architecture whitepaper",
+    source="NVIDIA Ampere GA102 GPU architecture whitepaper, https://www.nvidia.com/content/"
+           "PDF/nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf (appendix)",
 ))
 # Laptop RTX 3080 Ti 16 GB (GA103, shared/anchors sdpa_pythia410m_*): ~ 2/3 of a desktop 3080 Ti;
 # NVIDIA publishes no tensor TFLOP/s for laptop parts, figures scale the GA102 whitepaper by SM
@@ -160,7 +163,8 @@ register(GpuSpec(
     {"fp32": 18.7, "tf32": 18.7, "fp16": 37.4, "bf16": 37.4},
     512 * GB_S, "pcie4", 32 * GB_S,
     aliases=("rtx3080ti-16GB", "RTX 3080 Ti Laptop GPU"),
-    source="scaled from GA102 whitepaper; laptop TGP-dependent",
+    source="scaled from the GA102 whitepaper (https://www.nvidia.com/content/PDF/nvidia-"
+           "ampere-ga-102-gpu-architecture-whitepaper-v2.pdf); laptop TGP-dependent",
 ))
 # NVIDIA A100 datasheet: FP32 19.5, TF32 156, BF16/FP16 312 TF dense; 40GB SXM 1555 GB/s,
 # 80GB SXM 2039 GB/s; NVLink 600 GB/s.
@@ -169,14 +173,14 @@ register(GpuSpec(
     {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0},
     1555 * GB_S, "nvlink3", 600 * GB_S,
     aliases=("A100-SXM4-40GB", "A100-PCIE-40GB", "A100 40GB"),
-    source="NVIDIA A100 Tensor Core GPU datasheet",
+    source="NVIDIA A100 datasheet, https://www.nvidia.com/en-us/data-center/a100/ (datasheet); nvidia-smi totals: https://github.com/modal-labs/modal-client/pull/2797",
 ))
 register(GpuSpec(
     "A100-80GB", 81920 * MiB, (8, 0),
     {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0},
     2039 * GB_S, "nvlink3", 600 * GB_S,
     aliases=("A100", "A100-SXM4-80GB", "A100 80GB PCIe", "A100-80GB-PCIe"),
-    source="NVIDIA A100 Tensor Core GPU datasheet",
+    source="NVIDIA A100 datasheet, https://www.nvidia.com/en-us/data-center/a100/ (datasheet); nvidia-smi totals: https://github.com/modal-labs/modal-client/pull/2797",
 ))
 # --- Ada Lovelace -----------------------------------------------------------------------------
 # NVIDIA L4 datasheet: FP32 30.3, TF32 60, BF16/FP16 121 TF dense (242 sparse), 300 GB/s.
@@ -184,14 +188,16 @@ register(GpuSpec(
     "L4", 23034 * MiB, (8, 9),
     {"fp32": 30.3, "tf32": 60.0, "fp16": 121.0, "bf16": 121.0},
     300 * GB_S, "pcie4", 64 * GB_S,
-    aliases=("L4-24GB",), source="NVIDIA L4 Tensor Core GPU datasheet",
+    aliases=("L4-24GB",),
+    source="NVIDIA L4 datasheet, https://www.nvidia.com/en-us/data-center/l4/; nvidia-smi totals: https://github.com/modal-labs/modal-client/pull/2797",
 ))
 # NVIDIA L40S datasheet: FP32 91.6, TF32 183, BF16/FP16 362 TF dense (733 sparse), 864 GB/s.
 register(GpuSpec(
     "L40S", 46068 * MiB, (8, 9),
     {"fp32": 91.6, "tf32": 183.0, "fp16": 362.0, "bf16": 362.0},
     864 * GB_S, "pcie4", 64 * GB_S,
-    aliases=("L40S-48GB",), source="NVIDIA L40S GPU datasheet",
+    aliases=("L40S-48GB",),
+    source="NVIDIA L40S datasheet, https://www.nvidia.com/en-us/data-center/l40s/; nvidia-smi totals: https://github.com/modal-labs/modal-client/pull/2797",
 ))
 # GeForce RTX 4090 (Ada whitepaper, appendix): FP32 82.6; FP16/BF16 tensor with FP32
 # accumulate 165.2 TF dense; TF32 82.6; 1008 GB/s.
@@ -200,7 +206,8 @@ register(GpuSpec(
     {"fp32": 82.6, "tf32": 82.6, "fp16": 165.2, "bf16": 165.2},
     1008 * GB_S, "pcie4", 64 * GB_S,
     aliases=("RTX4090", "GeForce RTX 4090", "4090"),
-    source="NVIDIA Ada GPU architecture whitepaper",
+    source="NVIDIA Ada GPU architecture whitepaper, https://images.nvidia.com/aem-dam/"
+           "Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf (appendix)",
 ))
 # --- Hopper -----------------------------------------------------------------------------------
 # NVIDIA H100 datasheet, SXM5: FP32 67, TF32 494.7, BF16/FP16 989.4 TF dense, 3.35 TB/s,
@@ -210,20 +217,23 @@ register(GpuSpec(
     {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},
     3350 * GB_S, "nvlink4", 900 * GB_S,
     aliases=("H100", "H100-SXM", "H100-SXM5-80GB", "H100 80GB HBM3", "H100-SXM-80GB"),
-    source="NVIDIA H100 Tensor Core GPU datasheet (SXM5)",
+    source="NVIDIA H100 datasheet (SXM5), https://www.nvidia.com/en-us/data-center/h100/"
+           "; nvidia-smi totals: https://github.com/modal-labs/modal-client/pull/2797",
 ))
 register(GpuSpec(
     "H100-PCIe-80GB", 81559 * MiB, (9, 0),
     {"fp32": 51.0, "tf32": 378.0, "fp16": 756.0, "bf16": 756.0},
     2000 * GB_S, "pcie5", 128 * GB_S,
-    aliases=("H100-PCIe", "H100 PCIe"), source="NVIDIA H100 Tensor Core GPU datasheet (PCIe)",
+    aliases=("H100-PCIe", "H100 PCIe"),
+    source="NVIDIA H100 datasheet (PCIe), https://www.nvidia.com/en-us/data-center/h100/",
 ))
 # NVIDIA H200 datasheet (SXM): 141 GB HBM3e at 4.8 TB/s; compute as H100 SXM; NVLink 900 GB/s.
 register(GpuSpec(
     "H200", 143771 * MiB, (9, 0),
     {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},
     4800 * GB_S, "nvlink4", 900 * GB_S,
-    aliases=("H200-141GB", "H200-SXM", "H200 SXM"), source="NVIDIA H200 Tensor Core GPU datasheet",
+    aliases=("H200-141GB", "H200-SXM", "H200 SXM"),
+    source="NVIDIA H200 datasheet, https://www.nvidia.com/en-us/data-center/h200/",
 ))
 # --- Hopper, export variant -------------------------------------------------------------------
 # NVIDIA publishes no H20 datasheet (github.com/sunkx109/GPUs-Specs/issues/2); the figures are
