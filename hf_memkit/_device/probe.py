@@ -56,6 +56,9 @@ class DeviceInfo:
         default=None, metadata={"help": "Bidirectional GPU-to-GPU bytes/s (catalog)."}
     )
     driver_version: str | None = field(default=None, metadata={"help": "NVIDIA driver, if probed."})
+    vendor: str | None = field(default=None, metadata={
+        "help": "'nvidia' (CUDA), 'amd' (ROCm: kind 'cuda', HIP underneath), 'apple' (MPS); "
+                "None on CPU or when unknown."})
 
     def __post_init__(self):
         if self.kind not in ("cuda", "cpu", "mps"):
@@ -98,7 +101,7 @@ def list_devices() -> list[str]:
 def _from_spec(spec: GpuSpec, **extra: Any) -> DeviceInfo:
     fields = dict(
         name=spec.name,
-        kind="cuda",
+        kind=spec.kind,
         total_memory=spec.memory,
         free_memory=None,
         compute_capability=spec.compute_capability,
@@ -111,6 +114,7 @@ def _from_spec(spec: GpuSpec, **extra: Any) -> DeviceInfo:
         memory_bandwidth=spec.memory_bandwidth,
         interconnect=spec.interconnect,
         interconnect_bandwidth=spec.interconnect_bandwidth,
+        vendor=spec.vendor,
     )
     fields.update(extra)
     return DeviceInfo(**fields)
@@ -231,14 +235,16 @@ def _probe_cuda(index: int, count: int) -> DeviceInfo:
         free, total = _torch_mem_get_info(index, props)
         name, source = str(props.name), "torch.cuda"
     spec = lookup(name)
+    rocm = getattr(torch.version, "hip", None) is not None  # AMD: cc is the gfx major.minor
     return DeviceInfo(
         name=name,
         kind="cuda",
         total_memory=int(total),
         free_memory=None if free is None else int(free),
         compute_capability=cc,
-        supports_bf16=cc >= (8, 0),  # Ampere and newer (torch.cuda.is_bf16_supported agrees)
-        supports_tf32=cc >= (8, 0),
+        # Ampere and newer (torch.cuda.is_bf16_supported agrees); every ROCm GPU torch supports
+        supports_bf16=rocm or cc >= (8, 0),
+        supports_tf32=not rocm and cc >= (8, 0),  # transformers: tf32 on CUDA builds only
         supports_fp16_tensor_cores=cc >= (7, 0),
         count=count,
         index=index,
@@ -250,6 +256,7 @@ def _probe_cuda(index: int, count: int) -> DeviceInfo:
         interconnect=spec.interconnect if spec else None,
         interconnect_bandwidth=spec.interconnect_bandwidth if spec else None,
         driver_version=nvml["driver"] if nvml else None,
+        vendor="amd" if rocm else "nvidia",
     )
 
 
@@ -353,7 +360,7 @@ def _probe_mps() -> DeviceInfo:
         bf16 = False
     return DeviceInfo(
         name="Apple MPS", kind="mps", total_memory=int(total), free_memory=int(vm.available),
-        supports_bf16=bf16, source="mps",
+        supports_bf16=bf16, source="mps", vendor="apple",
     )
 
 

@@ -62,3 +62,35 @@ def memory_budget(dev: DeviceInfo, *, headroom: float = DEFAULT_HEADROOM,
     if this_machine and dev.free_memory is not None and dev.free_memory < budget.bytes:
         budget = Budget(int(dev.free_memory), "free memory on this machine now")
     return budget
+
+
+# A ROCm GPU is torch's ``cuda`` device: c10/hip/HIPCachingAllocator is c10/cuda's caching
+# allocator hipified (same size classes, rounding and segment reuse), so the CUDA model applies.
+ROCM_NOTE = ("ROCm target: the CUDA caching-allocator model is applied as is (HIP's caching "
+             "allocator is torch's CUDA allocator ported by hipify: the same block rounding and "
+             "segment reuse); the context and workspace figures are CUDA's, not measured on "
+             "ROCm: `hf-memkit calibrate` on this GPU measures its own")
+MPS_NOTE = ("MPS target: no model of the MPS allocator exists here, so device_used is the step's "
+            "peak of live tensors (what torch.mps.current_allocated_memory counts): a lower "
+            "bound. The MPS allocator's heaps, Metal's own memory (torch.mps.driver_allocated_"
+            "memory shows both) and MPS kernels' private buffers come on top; the budget is "
+            "torch.mps.recommended_max_memory()")
+
+
+def backend_notes(dev: DeviceInfo) -> list[str]:
+    """What the estimate applies to a GPU that is not NVIDIA's (``DeviceInfo.vendor``)."""
+    if dev.kind == "mps":
+        return [MPS_NOTE]
+    return [ROCM_NOTE] if dev.vendor == "amd" else []
+
+
+def unplannable(dev: DeviceInfo) -> str | None:
+    """Why plans and reverse queries (largest batch, longest sequence) refuse ``dev``: on MPS
+    the estimate is a lower bound, and a plan must never exceed the memory it is given."""
+    if dev.kind != "mps":
+        return None
+    return (f"{dev.name} is an MPS (Apple silicon) device: hf-memkit has no model of the MPS "
+            "allocator (its heaps, Metal's own memory, MPS kernels' buffers), so it cannot "
+            "promise that a plan or a largest batch fits; estimate_memory (hf-memkit estimate) "
+            "gives the step's live tensor peak, a lower bound on MPS. To plan, name a CUDA GPU "
+            "(device='H100-80GB', --gpu H100-80GB) or device='cpu'")

@@ -35,6 +35,7 @@ from .._setup.setup import TrainingSetup
 from .._techniques import TECHNIQUES
 from .._units import format_bytes
 from .activations import Excess, TraceCache, trace_excess
+from .budget import backend_notes
 from .device import device_terms
 from .result import MemoryEstimate
 
@@ -55,7 +56,7 @@ def check_setup(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, seq_len:
     if learned and seq_len > learned:
         raise HfMemkitError(f"seq_len {seq_len} exceeds this model's learned position "
                             f"embeddings ({learned}); use seq_len <= {learned}")
-    notes = []
+    notes = backend_notes(dev)
     notes += [i.message for i in precision_issues(dev, bf16=setup.amp == "bf16")]
     if spec.positions_warning(seq_len):
         notes.append(spec.positions_warning(seq_len))

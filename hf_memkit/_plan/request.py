@@ -19,7 +19,7 @@ from .._device.precision import PrecisionIssue, precision_issues
 from .._device.probe import DeviceInfo, probe_device, resolve_device
 from .._engines import engine_choices
 from .._errors import ConfigError, did_you_mean
-from .._estimate.budget import DEFAULT_HEADROOM, headroom_problem, memory_budget
+from .._estimate.budget import DEFAULT_HEADROOM, headroom_problem, memory_budget, unplannable
 from .._methods import METHODS, method_choices
 from .._setup.fields import config_fields
 from .._trainers import TRAINER, TRAINERS
@@ -196,6 +196,8 @@ class PlanRequest:
         if self.partial:
             return []
         per_node, dev = ranks // nodes, self.dev
+        if unplannable(dev):
+            return [Problem("device", unplannable(dev))]
         if self.probed and ranks > 1 and dev.kind != "cuda":
             return [Problem("num_gpus", f"num_gpus={ranks} but this machine has no CUDA GPU "
                                         f"({dev.name}); plan for a catalog GPU with "

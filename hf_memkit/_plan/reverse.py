@@ -4,11 +4,31 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._errors import ConfigError, HfMemkitError
-from .._estimate.budget import headroom_problem, resolve_headroom
+from .._estimate.budget import headroom_problem, resolve_headroom, unplannable
 from .request import PlanRequest
+
+
+@dataclass(frozen=True)
+class BatchAnswer:
+    """``max_batch_size``'s answer with its reason: what the largest micro-batch needs, the
+    budget, and what the next size needs (the limit it hit)."""
+
+    batch: int = field(metadata={"help": "The largest micro-batch that fits (0: none)."})
+    budget: int = field(metadata={"help": "Bytes the step must fit in (max_memory or the "
+                                          "device's total x (1 - headroom))."})
+    needed: int | None = field(metadata={
+        "help": "What `batch` needs (MemoryEstimate.upper: required + margin); None if 0."})
+    next_batch: int | None = field(metadata={
+        "help": "The size tried above it (batch + 1); None when `batch` is the limit."})
+    next_needed: int | None = field(metadata={
+        "help": "What `next_batch` needs; None where it could not be estimated (next_error)."})
+    next_error: str | None = field(default=None, metadata={
+        "help": "Why `next_batch` could not be estimated (an error above the fitting sizes)."})
+    limit: int = field(default=4096, metadata={"help": "The largest size tried."})
 
 
 def max_batch_size(model: Any, args: Any = None, *, seq_len: int, device: Any = None,
@@ -16,11 +36,28 @@ def max_batch_size(model: Any, args: Any = None, *, seq_len: int, device: Any = 
                    limit: int = 4096, **estimate_kwargs: Any) -> int:
     """The largest micro-batch of ``args`` (at most ``limit``) whose step fits the device (0 if
     none). ``headroom``: the fraction of device memory kept free, in [0, 1) (default 0.05);
-    ``max_memory`` (bytes or "20GiB") replaces the device's budget, and headroom with it."""
+    ``max_memory`` (bytes or "20GiB") replaces the device's budget, and headroom with it.
+    ``max_batch_answer`` takes the same arguments and says why (``BatchAnswer``)."""
+    return max_batch_answer(model, args, seq_len=seq_len, device=device, max_memory=max_memory,
+                            headroom=headroom, limit=limit, **estimate_kwargs).batch
+
+
+def max_batch_answer(model: Any, args: Any = None, *, seq_len: int, device: Any = None,
+                     max_memory: int | str | None = None, headroom: float | None = None,
+                     limit: int = 4096, **estimate_kwargs: Any) -> BatchAnswer:
+    """``max_batch_size`` with its reason: the memory the answer needs, the budget, and what
+    the next size needs (``BatchAnswer``)."""
     headroom = _check("max_batch_size", seq_len=seq_len, limit=limit, headroom=headroom,
                       max_memory=max_memory)
-    return _search(lambda b, strict: _fits(model, args, b, seq_len, device, max_memory,
-                                           headroom, estimate_kwargs, strict), limit)
+    probe = _Probe(PlanRequest(device=device, max_memory=max_memory, headroom=headroom))
+    n = _search(lambda b, strict: probe.fits(model, args, b, seq_len, estimate_kwargs, strict),
+                limit)
+    nxt = n + 1 if n < limit else None
+    if nxt is not None and nxt not in probe.seen:  # the search settles it, but be sure
+        probe.fits(model, args, nxt, seq_len, estimate_kwargs, False)
+    needed = probe.seen.get(n, (None, None))[0] if n else None
+    next_needed, next_error = probe.seen.get(nxt, (None, None)) if nxt else (None, None)
+    return BatchAnswer(n, probe.budget, needed, nxt, next_needed, next_error, limit)
 
 
 def max_seq_len(model: Any, args: Any = None, *, device: Any = None,
@@ -32,8 +69,9 @@ def max_seq_len(model: Any, args: Any = None, *, device: Any = None,
     headroom = _check("max_seq_len", limit=limit, multiple_of=multiple_of, headroom=headroom,
                       max_memory=max_memory)
     batch = (dict(args) if isinstance(args, dict) else args)
-    found = _search(lambda n, strict: _fits(model, batch, None, n * multiple_of, device,
-                                            max_memory, headroom, estimate_kwargs, strict),
+    probe = _Probe(PlanRequest(device=device, max_memory=max_memory, headroom=headroom))
+    found = _search(lambda n, strict: probe.fits(model, batch, None, n * multiple_of,
+                                                 estimate_kwargs, strict),
                     limit // multiple_of)
     return found * multiple_of
 
@@ -70,23 +108,37 @@ def _check(source: str, *, limit: Any, headroom: Any, max_memory: Any, seq_len: 
     return float(resolve_headroom(headroom, max_memory, source, stacklevel=4))
 
 
-def _fits(model, args, batch, seq_len, device, max_memory, headroom, kw, strict) -> bool:
-    """Whether the step fits. ``strict`` (the smallest size): bad input raises instead of
-    reading as "does not fit", so an unknown model or field is never answered with 0."""
-    from .._estimate import estimate_memory
+class _Probe:
+    """Estimates steps against one device and budget, keeping what each size needed
+    (``seen``: size -> (MemoryEstimate.upper, None) or (None, the error))."""
 
-    req = PlanRequest(device=device, max_memory=max_memory, headroom=headroom)
-    a = dict(args or {}) if not hasattr(args, "to_dict") else {
-        f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
-    if batch is not None:
-        a["per_device_train_batch_size"] = batch
-    try:
-        est = estimate_memory(model, a, seq_len=seq_len, device=req.dev, **kw)
-    except HfMemkitError:
-        if strict:
-            raise
-        return False
-    return est.upper <= req.budget()  # the upper band must fit
+    def __init__(self, req: PlanRequest) -> None:
+        why = unplannable(req.dev)
+        if why:
+            raise HfMemkitError(why)
+        self.req, self.budget = req, req.budget()
+        self.seen: dict[int, tuple[int | None, str | None]] = {}
+
+    def fits(self, model: Any, args: Any, batch: int | None, seq_len: int, kw: dict,
+             strict: bool) -> bool:
+        """Whether the step fits. ``strict`` (the smallest size): bad input raises instead of
+        reading as "does not fit", so an unknown model or field is never answered with 0."""
+        from .._estimate import estimate_memory
+
+        a = dict(args or {}) if not hasattr(args, "to_dict") else {
+            f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+        if batch is not None:
+            a["per_device_train_batch_size"] = batch
+        key = batch if batch is not None else seq_len
+        try:
+            est = estimate_memory(model, a, seq_len=seq_len, device=self.req.dev, **kw)
+        except HfMemkitError as exc:
+            if strict:
+                raise
+            self.seen[key] = (None, str(exc))
+            return False
+        self.seen[key] = (est.upper, None)
+        return est.upper <= self.budget  # the upper band must fit
 
 
 def _search(fits: Callable[[int, bool], bool], limit: int) -> int:

@@ -146,11 +146,19 @@ def catalog_table(devices: list[DeviceInfo]) -> Table:
         add_column(t, col, numeric=numeric)
     for d in devices:
         half = d.peak_tflops["bf16"] or d.peak_tflops["fp16"]
-        add_row(t, d.name, format_bytes(d.total_memory), "{}.{}".format(*d.compute_capability),
+        add_row(t, d.name, format_bytes(d.total_memory), _cc(d),
                 f"{half:g}" if d.peak_tflops["bf16"] else f"fp16 {half:g}",
                 f"{d.peak_tflops['fp32']:g}", f"{d.memory_bandwidth / 1e9:g}",
                 f"{d.interconnect} {d.interconnect_bandwidth / 1e9:g} GB/s")
     return t
+
+
+def _cc(d: DeviceInfo) -> str:
+    """The compute capability on CUDA; the ROCm gfx major.minor marked so; "mps" on Apple."""
+    if d.compute_capability is None:
+        return d.kind
+    cc = "{}.{}".format(*d.compute_capability)
+    return f"rocm {cc}" if d.vendor == "amd" else cc
 
 
 def profile_table(p: ModelProfile) -> Table:

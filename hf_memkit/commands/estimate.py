@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -195,7 +196,9 @@ def estimate_parser(sub) -> argparse.ArgumentParser:
                "--batch 1 \\\n      bf16=true fsdp=true "
                "'fsdp_config={\"version\": 2, \"cpu_offload\": true}'   # one rank's memory\n"
                "  hf-memkit estimate Llama-3.2-1B --gpu RTX-4090 --trainer sft --batch 4 "
-               "max_length=2048 packing=true   # TRL's SFTTrainer",
+               "max_length=2048 packing=true   # TRL's SFTTrainer\n"
+               "  hf-memkit estimate Llama-3.1-8B --gpu RTX-4090 --seq-len 2048 --batch 1 "
+               "--method qlora --lora-r 64 bf16=true",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", help="bundled model name or local directory with config.json")
@@ -228,6 +231,13 @@ def estimate_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--num-gpus", type=positive_int, default=None,
                    help="data-parallel ranks: one rank's memory under DDP, or the FSDP / "
                         "DeepSpeed sharding given by fsdp=... / deepspeed=... fields")
+    p.add_argument("--method", default="full", choices=estimate_methods(),
+                   help="what is trained: full (every weight), lora (adapters on a frozen "
+                        "16-bit base), qlora (adapters on a 4-bit NF4 base; needs "
+                        "bitsandbytes); LoRA as plan_training builds it: every linear layer, "
+                        "alpha 2 x r, dropout 0.05")
+    p.add_argument("--lora-r", type=positive_int, default=None, metavar="R",
+                   help="LoRA rank with --method lora/qlora (default 16)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--max-batch", action="store_true",
                    help="instead: the largest micro-batch that fits (reverse query)")
@@ -240,6 +250,59 @@ def estimate_parser(sub) -> argparse.ArgumentParser:
                    help="explicit budget instead of the device's, e.g. 20GiB (as in plan): "
                         "what the verdict (fits) and --max-batch/--max-seq-len use")
     return p
+
+
+def estimate_methods() -> list[str]:
+    """``--method``'s choices: the methods ``plan_training(method=...)`` names, less "auto"."""
+    from .._methods import method_choices
+
+    return [m for m in method_choices() if m != "auto"]
+
+
+def method_kwargs(args: argparse.Namespace) -> dict:
+    """``--method`` / ``--lora-r`` as ``estimate_memory`` keywords: the method's peft
+    ``LoraConfig`` and quantization config and its load dtype, built as ``plan_training`` builds
+    them (``_plan.space.SpecBook``); {} for full fine-tuning."""
+    if args.method == "full":
+        if args.lora_r is not None:
+            raise HfMemkitError(f"--lora-r {args.lora_r} sets the rank of LoRA adapters: give it "
+                                "with --method lora or --method qlora (the default --method "
+                                "full trains every weight)")
+        return {}
+    from .._methods import METHODS
+
+    method = next(m for m in METHODS if args.method in m.selected_by)
+    if method.missing():
+        raise HfMemkitError(f"--method {args.method} {method.missing()}; or estimate --method "
+                            "full / lora, which need no bitsandbytes")
+    from .._device.probe import resolve_device
+    from .._model.profile import to_config
+    from .._model.tasks import normalize_task
+
+    dev = resolve_device(args.gpu)
+    peft_config = method.peft_config(normalize_task(args.task, to_config(args.model)))
+    if args.lora_r is not None:
+        peft_config.r, peft_config.lora_alpha = args.lora_r, 2 * args.lora_r
+    return {"peft_config": peft_config, "quantization_config": method.quantization_config(dev),
+            "dtype": args.dtype or method.load_dtype("", dev)}
+
+
+def batch_reason(answer, seq_len: int) -> str:
+    """``--max-batch``'s line: the answer, the memory it needs against the budget, and what
+    the next size needs (or why it is the answer without one)."""
+    from .._units import format_bytes
+
+    budget = format_bytes(answer.budget)
+    if answer.batch == 0:
+        return (f"no micro-batch fits at seq_len {seq_len}: 1 needs "
+                f"{format_bytes(answer.next_needed or 0)}, the budget is {budget}")
+    head = (f"max micro-batch {answer.batch} at seq_len {seq_len}: "
+            f"{format_bytes(answer.needed)} of {budget} budget")
+    if answer.next_batch is None:
+        return f"{head}; {answer.batch} is the largest size tried"
+    if answer.next_needed is None:
+        return f"{head}; {answer.next_batch} cannot be estimated: {answer.next_error}"
+    return f"{head}; {answer.next_batch} needs {format_bytes(answer.next_needed)}"
 
 
 def add_trainer_option(p: argparse.ArgumentParser) -> None:
@@ -261,11 +324,14 @@ def estimate_command(args: argparse.Namespace) -> int:
     lengths = read_lengths(args.lengths)
     seq_len = seq_len_or_max_length(args.seq_len, fields, args.trainer, lengths)
     trainer = {} if args.trainer is None else {"trainer": args.trainer}
+    method = method_kwargs(args)
+    if "dtype" in method:
+        args.dtype = method.pop("dtype")
     if args.batch is not None:
         fields["per_device_train_batch_size"] = args.batch
         fields.setdefault("per_device_eval_batch_size", args.batch)
     if args.max_batch or args.max_seq_len:
-        from .._plan import max_batch_size, max_seq_len
+        from .._plan import max_seq_len
 
         if lengths is not None:
             raise HfMemkitError("--lengths estimates the batches of those rows; --max-batch and "
@@ -273,11 +339,14 @@ def estimate_command(args: argparse.Namespace) -> int:
 
         seq_len = seq_len or fields["max_length"]
         kw = dict(device=args.gpu, headroom=args.headroom, task=args.task, dtype=args.dtype,
-                  cuda_version=args.cuda_version, max_memory=args.max_memory, **trainer)
+                  cuda_version=args.cuda_version, max_memory=args.max_memory, **trainer,
+                  **method)
         if args.max_batch:
-            n = max_batch_size(args.model, fields, seq_len=seq_len, **kw)
-            text = f"largest micro-batch that fits at seq_len {seq_len}: {n}"
-            result = {"max_batch_size": n}
+            from .._plan.reverse import max_batch_answer
+
+            answer = max_batch_answer(args.model, fields, seq_len=seq_len, **kw)
+            text = batch_reason(answer, seq_len)
+            result = {"max_batch_size": answer.batch, **dataclasses.asdict(answer)}
         else:
             n = max_seq_len(args.model, fields, limit=seq_len, **kw)
             text = f"longest seq_len that fits (up to {seq_len}): {n}"
@@ -288,7 +357,7 @@ def estimate_command(args: argparse.Namespace) -> int:
         est = estimate_memory(args.model, fields, seq_len=seq_len, device=args.gpu,
                               stage=args.stage, task=args.task, dtype=args.dtype,
                               num_gpus=args.num_gpus, cuda_version=args.cuda_version,
-                              max_memory=args.max_memory, lengths=lengths, **trainer,
+                              max_memory=args.max_memory, lengths=lengths, **trainer, **method,
                               **({} if args.headroom is None else {"headroom": args.headroom}))
     except ValueError as exc:
         raise HfMemkitError(str(exc)) from exc

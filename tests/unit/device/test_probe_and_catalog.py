@@ -112,23 +112,108 @@ def test_catalog_has_required_gpus():
 
 
 @pytest.mark.parametrize("name", sorted(_gpu_catalog.catalog()))
-def test_every_catalog_entry_is_complete_and_consistent(name):
+def test_every_catalog_entry_is_complete_plausible_and_sourced(name):
     spec = _gpu_catalog.catalog()[name]
     dev = mk.get_device(name)
-    assert dev.kind == "cuda" and dev.name == name and dev.source == "catalog"
-    assert 8 * GiB < dev.total_memory < 150 * GiB
+    assert dev.name == name and dev.source == "catalog" and dev.vendor == spec.vendor
+    # ROCm GPUs are torch's cuda devices; Apple silicon trains on mps, without a compute capability
+    assert dev.kind == {"nvidia": "cuda", "amd": "cuda", "apple": "mps"}[spec.vendor]
+    assert (dev.compute_capability is None) == (spec.vendor == "apple")
+    assert 8 * GiB < dev.total_memory < 300 * GiB
     assert set(dev.peak_tflops) == {"fp32", "tf32", "fp16", "bf16"}
-    # Tensor-core math is faster than plain fp32 on every card in the catalog.
-    assert dev.peak_tflops["fp16"] > dev.peak_tflops["fp32"] > 0
-    assert (dev.peak_tflops["bf16"] > 0) == dev.supports_bf16 == (spec.compute_capability >= (8, 0))
-    assert (dev.peak_tflops["tf32"] > 0) == dev.supports_tf32
-    assert dev.memory_bandwidth > 1e11 and dev.interconnect_bandwidth >= 16e9
-    assert re.fullmatch(r"(nvlink|pcie)\d", dev.interconnect)
-    assert spec.source, "every entry cites its datasheet"
+    assert dev.peak_tflops["fp16"] >= dev.peak_tflops["fp32"] > 0
+    assert (dev.peak_tflops["bf16"] > 0) == dev.supports_bf16
+    if spec.vendor == "nvidia":  # bf16 and TF32 tensor cores: Ampere (sm_80) and newer
+        assert dev.supports_bf16 == dev.supports_tf32 == (spec.compute_capability >= (8, 0))
+        assert (dev.peak_tflops["tf32"] > 0) == dev.supports_tf32
+        # Tensor-core math is faster than plain fp32 on every NVIDIA card in the catalog.
+        assert dev.peak_tflops["fp16"] > dev.peak_tflops["fp32"]
+    else:  # transformers allows tf32=True on CUDA builds of torch only
+        assert not dev.supports_tf32
+    assert dev.memory_bandwidth > 1e11
+    if spec.vendor == "apple":
+        assert dev.interconnect == "none" and dev.interconnect_bandwidth == 0
+    else:
+        assert dev.interconnect_bandwidth >= 16e9
+        assert re.fullmatch(r"(nvlink|pcie)\d|xgmi", dev.interconnect)
+    assert re.search(r"https://\S+", spec.source), "every entry cites its source by URL"
     for alias in spec.aliases:  # every alias resolves to its own entry, in any case
         assert mk.get_device(alias).name == name
         assert mk.get_device(alias.upper()).name == name
         assert mk.get_device(alias.lower()).name == name
+
+
+NEW_GENERATION = ["B200", "B300", "GB200", "GB300", "H20", "RTX-5090", "RTX-PRO-6000", "MI300X",
+                  "MI325X", "MI355X", "M2-Max-96GB"]
+
+
+def test_catalog_has_the_current_generation():
+    assert set(NEW_GENERATION) <= set(mk.list_devices())
+
+
+@pytest.mark.parametrize("reported,expected,total_mib", [
+    # what nvidia-smi / ROCm print, and the total a plan must fit in
+    ("NVIDIA B200", "B200", 183359), ("NVIDIA GB200", "GB200", 189471),
+    ("NVIDIA B300 SXM6 AC", "B300", 275040), ("NVIDIA GB300", "GB300", 284208),
+    ("NVIDIA H20", "H20", 97871), ("NVIDIA H200", "H200", 143771),
+    ("NVIDIA GeForce RTX 5090", "RTX-5090", 32607),
+    ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "RTX-PRO-6000", 97887),
+    ("AMD Instinct MI300X", "MI300X", 196592), ("AMD Instinct MI300X VF", "MI300X-VF", None),
+    ("AMD Instinct MI355X", "MI355X", None),
+])
+def test_names_that_contain_each_other_resolve_to_their_own_entry(reported, expected, total_mib):
+    """B300 is a substring of GB300, H20 of H200, MI300X of MI300X VF: each resolves to its own
+    entry (names are matched whole), with its own total."""
+    dev = mk.get_device(reported)
+    assert dev.name == expected
+    if total_mib is not None:
+        assert dev.total_memory == total_mib * MiB
+    keys = {}
+    for spec in _gpu_catalog.catalog().values():
+        for n in (spec.name, *spec.aliases):
+            key = _gpu_catalog.normalize_gpu_name(n)
+            assert keys.setdefault(key, spec.name) == spec.name, f"{n} is two entries' name"
+
+
+def test_mi300x_vf_reports_less_than_bare_metal():
+    assert mk.get_device("MI300X-VF").total_memory < mk.get_device("MI300X").total_memory
+
+
+def test_rocm_gpu_probes_as_cuda_with_amd_vendor(fake_cuda, monkeypatch):
+    """torch's ROCm build shows an MI300X as a cuda device with the gfx942 capability (9, 4):
+    bf16 yes, TF32 no (transformers checks torch.version.cuda), the catalog entry found."""
+    fake_cuda([FakeGpu("AMD Instinct MI300X", 196592 * MiB, 190000 * MiB, (9, 4))],
+              nvml="missing")
+    monkeypatch.setattr(torch.version, "hip", "6.4.43483", raising=False)
+    dev = mk.probe_device()
+    assert (dev.kind, dev.vendor, dev.catalog_name) == ("cuda", "amd", "MI300X")
+    assert dev.supports_bf16 and not dev.supports_tf32
+    assert dev.peak_tflops["bf16"] == 1307.4
+
+
+def test_estimate_on_rocm_says_it_applies_the_cuda_allocator_model():
+    est = mk.estimate_memory("gpt2", {"per_device_train_batch_size": 1, "bf16": True},
+                             seq_len=64, device="MI300X")
+    rocm = [n for n in est.notes if n.startswith("ROCm target")]
+    assert rocm and "caching-allocator model is applied" in rocm[0]
+    assert est.breakdown["context"] > 0  # the CUDA model's context, as on an NVIDIA card
+    nvidia = mk.estimate_memory("gpt2", {"per_device_train_batch_size": 1, "bf16": True},
+                                seq_len=64, device="H100-80GB")
+    assert not any(n.startswith("ROCm") for n in nvidia.notes)
+
+
+def test_mps_estimate_is_a_tensor_peak_and_plans_are_refused():
+    """No MPS allocator model: the estimate is the live-tensor peak and says so; a plan and a
+    largest-batch query refuse (a plan must never exceed the memory it is given)."""
+    est = mk.estimate_memory("gpt2", {"per_device_train_batch_size": 1}, seq_len=64,
+                             device="M2-Max-96GB")
+    assert est.device.kind == "mps" and est.device_used == est.peak_allocated
+    assert est.breakdown["context"] == 0 and est.breakdown["fragmentation"] == 0
+    assert any(n.startswith("MPS target") and "lower bound" in n for n in est.notes)
+    with pytest.raises(mk.HfMemkitError, match="MPS .*no model of the MPS allocator"):
+        mk.plan_training("gpt2", seq_len=64, target_batch_size=8, device="M2-Max-96GB")
+    with pytest.raises(mk.HfMemkitError, match="device='H100-80GB'"):
+        mk.max_batch_size("gpt2", seq_len=64, device="M2-Ultra-192GB")
 
 
 @pytest.mark.parametrize("alias,expected", [
