@@ -139,7 +139,8 @@ def catalog_table(devices: list[DeviceInfo]) -> Table:
 
     t = new_table("GPU catalog (hf-memkit devices)", box=box.SIMPLE_HEAD, show_edge=False,
                   pad_edge=False)
-    t.caption = _text("TFLOP/s: dense peak; link: interconnect and its GB/s")
+    t.caption = _text("TFLOP/s: dense peak; link: interconnect and its GB/s; cc: compute "
+                      "capability (AMD: the gfx version ROCm's torch reports)")
     for col, numeric in (("name", False), ("memory", True), ("cc", True),
                          ("bf16\nTFLOP/s", True), ("fp32\nTFLOP/s", True), ("HBM\nGB/s", True),
                          ("link", False)):
@@ -149,16 +150,16 @@ def catalog_table(devices: list[DeviceInfo]) -> Table:
         add_row(t, d.name, format_bytes(d.total_memory), _cc(d),
                 f"{half:g}" if d.peak_tflops["bf16"] else f"fp16 {half:g}",
                 f"{d.peak_tflops['fp32']:g}", f"{d.memory_bandwidth / 1e9:g}",
-                f"{d.interconnect} {d.interconnect_bandwidth / 1e9:g} GB/s")
+                f"{d.interconnect} {d.interconnect_bandwidth / 1e9:g} GB/s"
+                if d.interconnect_bandwidth else "-")
     return t
 
 
 def _cc(d: DeviceInfo) -> str:
-    """The compute capability on CUDA; the ROCm gfx major.minor marked so; "mps" on Apple."""
+    """The compute capability (on ROCm the gfx major.minor torch reports); "mps" on Apple."""
     if d.compute_capability is None:
         return d.kind
-    cc = "{}.{}".format(*d.compute_capability)
-    return f"rocm {cc}" if d.vendor == "amd" else cc
+    return "{}.{}".format(*d.compute_capability)
 
 
 def profile_table(p: ModelProfile) -> Table:
