@@ -1,8 +1,10 @@
-"""Errors that tell the user what was wrong, what is allowed, and how to fix it."""
+"""Errors that tell the user what was wrong, what is allowed, and how to fix it; what they quote
+of a user's input (``excerpt``), and how a file the user names is read (``read_user_file``)."""
 
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Iterable
 
 
@@ -32,3 +34,48 @@ def did_you_mean(value: str, allowed: Iterable[str]) -> str:
     """`` (did you mean `x`?)`` when a close match exists, else an empty string."""
     close = difflib.get_close_matches(str(value), list(allowed), n=1, cutoff=0.6)
     return f" (did you mean `{close[0]}`?)" if close else ""
+
+
+EXCERPT = 80  # characters of anything read from a file or given by a user that a message quotes
+
+
+def excerpt(value: object, limit: int = EXCERPT) -> str:
+    """``str(value)`` cut to ``limit`` characters with an ellipsis: what a message quotes of a
+    value it did not write itself (a line of a file, a key, a long string)."""
+    text = str(value)
+    return text if len(text) <= limit else f"{text[:limit - 1]}…"
+
+
+def quoted(value: object, limit: int = EXCERPT) -> str:
+    """``repr(value)``, cut like ``excerpt``."""
+    return excerpt(repr(value), limit)
+
+
+def read_user_file(path: str | os.PathLike, *, what: str, cap: int) -> bytes:
+    """The bytes of the regular file a user named (``what``: what it should be, "a lengths
+    file"). ``HfMemkitError`` for anything else: a FIFO, a device or a socket (reading one
+    waits for a writer, or never ends: /dev/zero), a directory, or more than ``cap`` bytes.
+    Opened without blocking, so a FIFO with no writer is refused at once."""
+    import stat
+
+    size = f"{cap / 2**20:g} MiB" if cap >= 2**20 else f"{cap} bytes"
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise HfMemkitError(f"{excerpt(path)}: cannot read it ({exc.strerror or exc}); give "
+                            f"{what}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a device"
+                if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket"
+                if stat.S_ISSOCK(mode) else None)
+        why = f"{kind}, not a regular file (reading it could wait forever or never end)" \
+            if kind else ("a directory" if stat.S_ISDIR(mode) else "not a regular file")
+        raise HfMemkitError(f"{excerpt(path)} is {why}; give {what}, saved as a regular file")
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(cap + 1)
+    if len(data) > cap:
+        raise HfMemkitError(f"{excerpt(path)} is larger than {size}, the most hf_memkit reads "
+                            f"here; give {what} of at most {size}")
+    return data

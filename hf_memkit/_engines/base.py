@@ -16,7 +16,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .._errors import HfMemkitError
+from .._errors import HfMemkitError, excerpt, quoted, read_user_file
 from .._registry import Registry
 
 
@@ -248,15 +248,38 @@ def ceil_div(x: int, n: int) -> int:
     return -(-int(x) // n)
 
 
+JSON_CAP = 2**20  # bytes of a DeepSpeed / FSDP config file (a few dozen keys)
+
+
 def load_json(value: Any, what: str) -> dict[str, Any]:
+    """``deepspeed`` / ``fsdp_config``: a dict, or the path of a JSON file holding one object
+    (a regular UTF-8 file of at most ``JSON_CAP`` bytes); ``HfMemkitError`` naming the file and
+    what is wrong with it otherwise."""
     if value is None or value == "":
         return {}
     if isinstance(value, dict):
         return dict(value)
-    if isinstance(value, (str, os.PathLike)) and os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return json.load(f)
-    raise HfMemkitError(f"{what} must be a dict or the path of a JSON file; got {value!r}")
+    if not (isinstance(value, (str, os.PathLike)) and os.path.exists(value)):
+        raise HfMemkitError(f"{what} must be a dict or the path of a JSON file; got "
+                            f"{quoted(value)}")
+    fix = f"give {what} a dict, or the path of a JSON file holding one object"
+    try:
+        data = read_user_file(value, what=f"a JSON file for {what}", cap=JSON_CAP)
+    except HfMemkitError as exc:
+        raise HfMemkitError(f"{what}={exc}") from None
+    try:
+        out = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise HfMemkitError(f"{what}={excerpt(value)}: not UTF-8 text (byte "
+                            f"0x{data[exc.start]:02x} at offset {exc.start}); {fix}") from None
+    except ValueError as exc:  # json.JSONDecodeError: no file contents quoted
+        where = f" (line {exc.lineno}, column {exc.colno}: {exc.msg})" \
+            if isinstance(exc, json.JSONDecodeError) else ""
+        raise HfMemkitError(f"{what}={excerpt(value)} is not valid JSON{where}; {fix}") from None
+    if not isinstance(out, dict):
+        raise HfMemkitError(f"{what}={excerpt(value)} holds a JSON {type(out).__name__}, not an "
+                            f"object; {fix}")
+    return out
 
 
 def offload_suffix(sh: Sharding) -> str:

@@ -18,10 +18,10 @@ from .._cuda.runtime import parse_cuda_version
 from .._device.precision import PrecisionIssue, precision_issues
 from .._device.probe import DeviceInfo, probe_device, resolve_device
 from .._engines import engine_choices
-from .._errors import ConfigError, did_you_mean
+from .._errors import ConfigError, HfMemkitError, did_you_mean
 from .._estimate.budget import DEFAULT_HEADROOM, headroom_problem, memory_budget, unplannable
 from .._methods import METHODS, method_choices
-from .._setup.fields import config_fields
+from .._setup.fields import check_field, config_fields
 from .._trainers import TRAINER, TRAINERS
 from .._units import parse_bytes
 
@@ -161,10 +161,23 @@ class PlanRequest:
                 parse_cuda_version(self.cuda_version)
             except ConfigError as exc:
                 out.append(Problem("cuda_version", exc.problems[0]))
+        out += self._pin_problems()
         for k in self.search:
             if k not in SEARCH_CONSTRAINTS:
                 out.append(Problem(k, f"unknown constraint `{k}`: give TrainingArguments fields "
                                       "or micro_batch"))
+        return out
+
+    def _pin_problems(self) -> list[Problem]:
+        """Pins by their field's type and range, as Python values: ``bf16="False"`` is refused
+        (transformers reads it as true), as in an ``estimate_memory`` dict (``_setup.fields``)."""
+        cls = TRAINERS.get(self.trainer or TRAINER.name).config_type()
+        out = []
+        for k, v in self.pins.items():
+            try:
+                check_field(k, v, cls=cls, text=False)
+            except HfMemkitError as exc:
+                out.append(Problem(k, str(exc)))
         return out
 
     def _choice_problems(self) -> list[Problem]:

@@ -7,7 +7,10 @@ Defaults and types are read from the installed classes, never hard-coded (a plan
 machine is a plain dict, DESIGN.md). A field typed as one scalar is coerced by its type: a
 bool / int / float field parses text (true/false, 1/0, yes/no in any case; ``none`` where the
 field allows None) and rejects a value of another type; a ``str`` field takes a string (an enum
-field: one of its values; ``optim`` is checked against the optimizer registry instead). Fields of
+field: one of its values; ``optim`` is checked against the optimizer registry instead). Text is
+parsed only where the value was text (the command line, a recipe): in Python code (an API dict, a
+``plan_training`` pin) a string in a bool / int / float field is refused, since
+``TrainingArguments(bf16="False")`` reads it as true (``text=False``). Fields of
 other types (lists, dicts, ``int | str``) pass as given: the config class checks them when it
 is built. ``TrainingArguments``' own ``str | None`` fields pass as given too: the Trainer takes
 other values there (``fsdp=True``, a dict of ``optim_args``).
@@ -127,6 +130,7 @@ def field_types(cls: type = TrainingArguments) -> dict[str, FieldType]:
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 _EXPECTED = {bool: "a boolean (true/false, 1/0, yes/no)", int: "an integer",
              float: "a number (e.g. 2e-4)", str: "a string"}
+_PY_EXPECTED = {bool: "True or False", int: "an int", float: "a number (an int or a float)"}
 _NO_VALUE = object()
 
 
@@ -181,15 +185,31 @@ def _string(name: str, value: Any, ftype: FieldType, raw: str | None) -> Any:
     return value
 
 
-def coerce(name: str, value: Any, ftype: FieldType, *, raw: str | None = None) -> Any:
+def _python_text(name: str, value: str, ftype: FieldType) -> HfMemkitError:
+    """A string given in Python code for a bool / int / float field: refused, with the value
+    to pass instead where the text reads as one (``bf16="False"``: pass ``bf16=False``)."""
+    got = _parse_text(value.strip().lower(), ftype.kind)
+    none = " or None" if ftype.optional else ""
+    why = ", which Python reads as true" if ftype.kind is bool else ""
+    fix = f"{name}={got!r}" if got is not _NO_VALUE else f"{_PY_EXPECTED[ftype.kind]}{none}"
+    return HfMemkitError(f"`{name}` expects {_PY_EXPECTED[ftype.kind]}{none}, got {value!r} "
+                         f"(a string{why}): pass {fix}; text is parsed as a value only on the "
+                         "command line and in recipes")
+
+
+def coerce(name: str, value: Any, ftype: FieldType, *, raw: str | None = None,
+           text: bool = True) -> Any:
     """``value`` of field ``name`` with the field's type (``FieldType``); ``raw``: the text it
-    was read from on the command line, if any. A value of another type raises
-    ``HfMemkitError`` naming the field, the value and the type expected."""
-    if ftype.optional and (value is None or (isinstance(value, str)
+    was read from on the command line, if any; ``text=False``: the value comes from Python code,
+    where a string in a bool / int / float field is refused rather than parsed. A value of
+    another type raises ``HfMemkitError`` naming the field, the value and the type expected."""
+    if ftype.optional and (value is None or (text and isinstance(value, str)
                                              and value.strip().lower() in ("none", "null"))):
         return None
     if ftype.kind is str:
         return _string(name, value, ftype, raw)
+    if isinstance(value, str) and not text:
+        raise _python_text(name, value, ftype)
     got = _parse_text(value.strip().lower(), ftype.kind) if isinstance(value, str) else \
         _typed(value, ftype.kind)
     if got is _NO_VALUE:
@@ -271,16 +291,18 @@ def check_config_field(cls: type, name: str, value: Any, *, raw: str | None = No
     return _checked(cls, name, value, raw)
 
 
-def check_field(name: str, value: Any) -> Any:
-    """A ``TrainingArguments`` field's value, typed and in range; an unknown name, or a field
-    not typed as one scalar, passes as given."""
-    return _checked(TrainingArguments, name, value, None)
+def check_field(name: str, value: Any, *, cls: type = TrainingArguments,
+                text: bool = True) -> Any:
+    """A field's value of config class ``cls``, typed and in range; an unknown name, or a field
+    not typed as one scalar, passes as given. ``text=False``: a value from Python code (an API
+    dict, a plan pin), where strings are not parsed (``coerce``)."""
+    return _checked(cls, name, value, None, text)
 
 
-def _checked(cls: type, name: str, value: Any, raw: str | None) -> Any:
+def _checked(cls: type, name: str, value: Any, raw: str | None, text: bool = True) -> Any:
     ftype = field_types(cls).get(name)
     if ftype is not None:
-        value = coerce(name, value, ftype, raw=raw)
+        value = coerce(name, value, ftype, raw=raw, text=text)
     problem = field_problem(name, value)
     if problem:
         raise HfMemkitError(problem)

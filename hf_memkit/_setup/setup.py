@@ -154,8 +154,8 @@ class _Reader:
                     self.problems.append(f"`{k}` is not a {cls.__name__} field"
                                          f"{did_you_mean(k, self.fields)}")
                     continue
-                try:  # by the field's type: bf16="False" is False, "abc" for a float an error
-                    d[k] = check_field(k, d[k])
+                try:  # by the field's type, as Python values: bf16="False" is refused
+                    d[k] = check_field(k, d[k], cls=cls, text=False)
                 except HfMemkitError as exc:
                     self.problems.append(str(exc))
 

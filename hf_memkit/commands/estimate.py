@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from pathlib import Path
 
-from .._errors import HfMemkitError
+from .._errors import HfMemkitError, excerpt, quoted, read_user_file
 from .._model.tasks import task_choices
 
 
@@ -137,22 +136,33 @@ def positive_number(text: str) -> float:
     return v
 
 
+LENGTHS_CAP = 256 * 2**20  # bytes of a --lengths file: ~40 million rows of 6-digit counts
+
+
 def read_lengths(path: str | None) -> list[int] | None:
     """``--lengths FILE``: a JSON list of integers, or one integer per line (blank lines and
-    ``#`` comments skipped). The values are checked by the API (``estimate_memory``,
+    ``#`` comments skipped); a regular UTF-8 file of at most ``LENGTHS_CAP`` bytes (a FIFO or
+    /dev/zero is refused, not read). The values are checked by the API (``estimate_memory``,
     ``plan_training``)."""
     if path is None:
         return None
+    what = "a file of the rows' token counts, one per line or a JSON list"
     try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise HfMemkitError(f"--lengths {path}: cannot read it ({exc.strerror or exc}); give a "
-                            "file of the rows' token counts, one per line or a JSON list") from None
+        data = read_user_file(path, what=what, cap=LENGTHS_CAP)
+    except HfMemkitError as exc:
+        raise HfMemkitError(f"--lengths {exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HfMemkitError(f"--lengths {excerpt(path)}: not UTF-8 text (byte "
+                            f"0x{data[exc.start]:02x} at offset {exc.start}); give {what}"
+                            ) from None
     if text.lstrip().startswith("["):
         try:
             return json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise HfMemkitError(f"--lengths {path}: not a JSON list of integers ({exc})") from None
+        except ValueError as exc:  # JSONDecodeError, or an integer of over 4300 digits
+            raise HfMemkitError(f"--lengths {excerpt(path)}: not a JSON list of integers "
+                                f"({excerpt(exc)})") from None
     out = []
     for n, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
@@ -161,8 +171,9 @@ def read_lengths(path: str | None) -> list[int] | None:
         try:
             out.append(int(line))
         except ValueError:
-            raise HfMemkitError(f"--lengths {path}, line {n}: {line!r} is not an integer; "
-                                "give one token count per line (or a JSON list)") from None
+            raise HfMemkitError(f"--lengths {excerpt(path)}, line {n}: {quoted(line)} is not an "
+                                "integer; give one token count per line (or a JSON list)"
+                                ) from None
     return out
 
 
