@@ -23,7 +23,7 @@ from .._errors import ConfigError, HfMemkitError
 from .._model.spec import resolve_model
 from .._setup.setup import normalize_args
 from .._trainers.fused_head import with_completion
-from .._trainers.packing import with_lengths
+from .._trainers.packing import MAX_TOKENS, with_lengths
 from .._units import parse_bytes
 from .activations import TraceCache
 from .budget import headroom_problem, memory_budget, resolve_headroom
@@ -34,24 +34,26 @@ STAGES = ("train", "eval", "forward_backward")
 
 
 def _trainer_rows(setup: Any, lengths: Sequence[int] | None, seq_len: int | None,
-                  completion_len: int | None) -> tuple[Any, int]:
-    """``setup`` and ``seq_len`` for the rows the trainer feeds: their ``lengths`` (padding-free
-    micro-batches in tokens), the trainer's ``max_length`` as the default ``seq_len``, and the
-    positions its head scores (``completion_len``)."""
+                  completion_len: int | None) -> tuple[Any, int, str]:
+    """``setup``, ``seq_len`` and the argument it came from, for the rows the trainer feeds:
+    their ``lengths`` (padding-free micro-batches in tokens), the trainer's ``max_length`` as
+    the default ``seq_len``, and the positions its head scores (``completion_len``)."""
+    name = "seq_len" if seq_len is not None or lengths is None else "the longest row of lengths"
     setup, seq_len = with_lengths(setup, lengths, seq_len)
     if seq_len is None:
-        seq_len = setup.trainer_kind.seq_len(setup.trainer_options)
+        seq_len, name = setup.trainer_kind.seq_len(setup.trainer_options), "max_length"
         if seq_len is None:
             raise ConfigError([f"seq_len is required: {setup.trainer_kind.title}'s "
                                "arguments carry no max_length; pass seq_len=<the longest "
                                "sequence of a batch>"], source="estimate_memory")
-    return with_completion(setup, completion_len, seq_len), seq_len
+    return with_completion(setup, completion_len, seq_len), seq_len, name
 
 
-def _problems(seq_len: Any, stage: Any, target_len: Any) -> list[str]:
+def _problems(seq_len: Any, stage: Any, target_len: Any, seq_name: str = "seq_len") -> list[str]:
     problems = []
-    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
-        problems.append(f"seq_len must be a positive integer, got {seq_len!r}")
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or not 0 < seq_len <= MAX_TOKENS:
+        problems.append(f"{seq_name} must be a positive integer (at most {MAX_TOKENS} tokens), "
+                        f"got {seq_len!r}")
     if stage not in STAGES:
         problems.append(f"stage must be one of {', '.join(map(repr, STAGES))}, got {stage!r} "
                         "('forward_backward': a custom loop's forward and backward, no optimizer)")
@@ -121,8 +123,8 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,
     """
     setup = normalize_args(args, source="args", num_gpus=num_gpus, trainer=trainer,
                            ref_model=ref_model)
-    setup, seq_len = _trainer_rows(setup, lengths, seq_len, completion_len)
-    problems = _problems(seq_len, stage, target_len)
+    setup, seq_len, seq_name = _trainer_rows(setup, lengths, seq_len, completion_len)
+    problems = _problems(seq_len, stage, target_len, seq_name)
     if cuda_version is not None:
         try:
             parse_cuda_version(cuda_version)
@@ -147,7 +149,7 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,
     if seq_len is not None and spec.positions_warning(seq_len):
         warnings.warn(spec.positions_warning(seq_len), UserWarning, stacklevel=2)
     est = estimate_for(spec, setup, dev, seq_len=seq_len, stage=stage, target_len=target_len,
-                       padded=padded, cuda_version=cuda_version)
+                       padded=padded, cuda_version=cuda_version, seq_name=seq_name)
     est.budget, est.budget_basis = memory_budget(dev, headroom=headroom, max_memory=max_memory,
                                                  this_machine=device is None)
     return est

@@ -45,8 +45,10 @@ TRACE_PHASE = {"forward": "forward", "backward": "backward", "eval forward": "ev
                "backward (accumulating)": "backward_accum"}
 
 
-def check_setup(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, seq_len: int) -> list[str]:
-    """Raise for what cannot run; return what the estimate notes about the setup."""
+def check_setup(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, seq_len: int,
+                seq_name: str = "seq_len") -> list[str]:
+    """Raise for what cannot run; return what the estimate notes about the setup.
+    ``seq_name``: the argument the sequence length came from, as the user wrote it."""
     if setup.checkpointing and not spec.supports_checkpointing:
         raise HfMemkitError(
             f"{spec.model_cls.__name__} does not support gradient checkpointing; set "
@@ -54,8 +56,8 @@ def check_setup(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, seq_len:
             "saver instead)")
     learned = spec.learned_positions()
     if learned and seq_len > learned:
-        raise HfMemkitError(f"seq_len {seq_len} exceeds this model's learned position "
-                            f"embeddings ({learned}); use seq_len <= {learned}")
+        raise HfMemkitError(f"{seq_name} {seq_len} exceeds this model's learned position "
+                            f"embeddings ({learned}); use {seq_name} <= {learned}")
     notes = backend_notes(dev)
     notes += [i.message for i in precision_issues(dev, bf16=setup.amp == "bf16")]
     if spec.positions_warning(seq_len):
@@ -300,15 +302,16 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
                  stage: str = "train", target_len: int | None = None, padded: bool = False,
                  cache: TraceCache | None = None, exact: bool = True,
                  probe: bool = False, cuda_version: str | None = None,
-                 fit_budget: int | None = None) -> MemoryEstimate:
+                 fit_budget: int | None = None, seq_name: str = "seq_len") -> MemoryEstimate:
     """``estimate_memory`` for an already resolved model and setup (the planner's entry).
     ``exact=False`` with a cache may return a lower bound (``MemoryEstimate.lower_bound``);
     ``probe=True`` with a cache bounds a train step from its forward alone. ``fit_budget``:
     the budget the planner judges by, so the smallest-capacity search runs only where the
-    verdict depends on it (``device.device_terms``)."""
+    verdict depends on it (``device.device_terms``). ``seq_name``: the argument ``seq_len`` came
+    from (``max_length``), named by its errors."""
     runtime = cuda_runtime(cuda_version) if dev.kind == "cuda" else None
     target = CudaTarget.of(dev.compute_capability, runtime.version) if runtime else None
-    notes = check_setup(spec, setup, dev, seq_len)
+    notes = check_setup(spec, setup, dev, seq_len, seq_name)
     cast = trained_spec(spec, setup)
     if cast is not spec:
         notes.append(setup.trainer_kind.adapter_note(cast.lora.adapter_dtype))

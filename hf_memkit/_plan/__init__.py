@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -117,6 +118,8 @@ def _request(model: Any, *, seq_len: int | None = None, target_batch_size: int,
     headroom = resolve_headroom(headroom, max_memory, "plan_training", stacklevel=4)
     if trainer is not None:
         trainer = trainer_of_args(None, trainer)  # a clear error for GRPO, RLOO, a typo
+    if isinstance(lengths, Iterator):  # read once: checked, then planned
+        lengths = list(lengths)
     problems = length_problems(lengths, mean_len, max_len, trainer, seq_len)
     if problems:
         raise ConfigError([p.message for p in problems], source="plan_training")

@@ -26,7 +26,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from .._errors import HfMemkitError
 from .._trainers import TRAINERS
+from .._trainers.packing import MAX_TOKENS, SEQ_LEN_FROM_ROWS, token_counts
 from .request import Problem
 
 
@@ -42,7 +44,7 @@ class Lengths:
     def of(cls, lengths: Any = None, mean_len: Any = None,
            max_len: Any = None) -> Lengths | None:
         if lengths is not None:
-            rows = tuple(lengths)
+            rows = token_counts(lengths)
             return cls(max(rows), sum(rows) / len(rows), rows)
         if mean_len is not None or max_len is not None:
             return cls(max_len, float(mean_len))
@@ -73,22 +75,24 @@ def length_problems(lengths: Any, mean_len: Any, max_len: Any, trainer: str | No
                                   f"trainer='{k.name}' (--trainer {k.name} on the command "
                                   "line), or seq_len=<the longest row> for padded batches")]
     if lengths is not None:
-        bad = [v for v in list(lengths) if isinstance(v, bool) or not isinstance(v, int) or v < 1]
         if mean_len is not None or max_len is not None:
             out.append(Problem("lengths", "give lengths, or mean_len and max_len, not both"))
-        elif not len(list(lengths)) or bad:
-            out.append(Problem("lengths", "lengths must be the token counts of the rows "
-                                          f"(positive integers), got "
-                                          f"{bad[:5] if bad else 'an empty list'}"))
+        else:
+            try:
+                token_counts(lengths)
+            except HfMemkitError as exc:
+                out.append(Problem("lengths", str(exc)))
     elif mean_len is None or max_len is None or not isinstance(max_len, int) \
-            or isinstance(max_len, bool) or max_len < 1 \
+            or isinstance(max_len, bool) or not 1 <= max_len <= MAX_TOKENS \
             or not isinstance(mean_len, (int, float)) or not 0 < mean_len <= max_len:
         out.append(Problem("mean_len", f"mean_len and max_len go together: 0 < mean_len <= "
-                                       f"max_len (an integer); got mean_len={mean_len!r}, "
-                                       f"max_len={max_len!r}"))
+                                       f"max_len (an integer <= {MAX_TOKENS}); got "
+                                       f"mean_len={mean_len!r}, max_len={max_len!r}"))
     if not out and seq_len is not None:
-        out.append(Problem("seq_len", "with lengths (or mean_len/max_len) the longest row is the "
-                                      "sequence length; leave seq_len out"))
+        rule = SEQ_LEN_FROM_ROWS if lengths is not None else (
+            "with mean_len and max_len, max_len is the sequence length; leave seq_len out")
+        out.append(Problem("seq_len", f"{given[0]} and seq_len={seq_len!r} are both given: "
+                                      f"{rule}"))
     return out
 
 

@@ -23,6 +23,7 @@ from .._estimate.budget import DEFAULT_HEADROOM, headroom_problem, memory_budget
 from .._methods import METHODS, method_choices
 from .._setup.fields import check_field, config_fields
 from .._trainers import TRAINER, TRAINERS
+from .._trainers.packing import MAX_TOKENS
 from .._units import parse_bytes
 
 # GPUs one node of the catalog cards holds (HGX/DGX boards); more need num_nodes.
@@ -150,6 +151,9 @@ class PlanRequest:
             v = getattr(self, name)
             if not (self.partial and v is None) and not _positive_int(v):
                 out.append(Problem(name, f"{name} must be a positive integer, got {v!r}"))
+        if _positive_int(self.seq_len) and self.seq_len > MAX_TOKENS:
+            out.append(Problem("seq_len", f"seq_len must be at most {MAX_TOKENS} tokens (2**24), "
+                                          f"got {self.seq_len}"))
         if headroom_problem(self.headroom):
             out.append(Problem("headroom", headroom_problem(self.headroom)))
         for name in ("num_gpus", "num_nodes"):

@@ -26,7 +26,8 @@ from typing import Any, NamedTuple
 
 from transformers import TrainingArguments
 
-from .._errors import HfMemkitError, did_you_mean
+from .._errors import HfMemkitError, did_you_mean, quoted
+from .._trainers.packing import MAX_TOKENS
 
 # -- defaults and names -------------------------------------------------------------------------
 
@@ -135,7 +136,7 @@ _NO_VALUE = object()
 
 
 def _described(v: Any) -> str:
-    return repr(v) if isinstance(v, str) else f"{v!r} ({type(v).__name__})"
+    return quoted(v) if isinstance(v, str) else f"{quoted(v)} ({type(v).__name__})"
 
 
 def _parse_text(text: str, kind: type) -> Any:
@@ -180,7 +181,7 @@ def _string(name: str, value: Any, ftype: FieldType, raw: str | None) -> Any:
         none = " or none" if ftype.optional else ""
         raise HfMemkitError(f"`{name}` expects {allowed}{none}, got {_described(value)}{hint}")
     if ftype.choices and name != "optim" and value not in ftype.choices:
-        raise HfMemkitError(f"`{name}` expects {allowed}, got {value!r}"
+        raise HfMemkitError(f"`{name}` expects {allowed}, got {quoted(value)}"
                             f"{did_you_mean(value, ftype.choices)}")
     return value
 
@@ -192,7 +193,7 @@ def _python_text(name: str, value: str, ftype: FieldType) -> HfMemkitError:
     none = " or None" if ftype.optional else ""
     why = ", which Python reads as true" if ftype.kind is bool else ""
     fix = f"{name}={got!r}" if got is not _NO_VALUE else f"{_PY_EXPECTED[ftype.kind]}{none}"
-    return HfMemkitError(f"`{name}` expects {_PY_EXPECTED[ftype.kind]}{none}, got {value!r} "
+    return HfMemkitError(f"`{name}` expects {_PY_EXPECTED[ftype.kind]}{none}, got {quoted(value)} "
                          f"(a string{why}): pass {fix}; text is parsed as a value only on the "
                          "command line and in recipes")
 
@@ -258,7 +259,8 @@ FIELD_RANGES: dict[str, tuple[Any, str]] = {
     "neftune_noise_alpha": (lambda v: v >= 0, "a noise scale >= 0"),
     "ddp_timeout": (lambda v: v > 0, "a positive number of seconds"),
     # TRL's SFTConfig / DPOConfig
-    "max_length": (lambda v: v >= 1, "a positive number of tokens, or none (no truncation)"),
+    "max_length": (lambda v: 1 <= v <= MAX_TOKENS, f"a positive number of tokens (at most "
+                                                    f"{MAX_TOKENS}), or none (no truncation)"),
     "dataset_num_proc": (lambda v: v >= 1, "a positive number of processes, or none"),
     "precompute_ref_batch_size": (lambda v: v >= 1, "a positive batch size, or none"),
     "ref_model_sync_steps": (lambda v: v >= 1, "a positive number of steps"),
@@ -273,7 +275,7 @@ def field_problem(name: str, value: Any) -> str | None:
             not isinstance(value, (int, float)):
         return None
     ok, allowed = rule
-    return None if ok(value) else f"`{name}` must be {allowed}, got {value!r}"
+    return None if ok(value) else f"`{name}` must be {allowed}, got {quoted(value)}"
 
 
 # -- checks -------------------------------------------------------------------------------------

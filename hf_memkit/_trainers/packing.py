@@ -19,9 +19,70 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Sequence
+import operator
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .._errors import HfMemkitError, quoted
 
 MAP_BATCH = 1000  # datasets.Dataset.map's default batch_size
+# The most tokens one row (or sequence) may hold: above the longest contexts models train on
+# today (10M tokens), far below what a traced tensor's size can hold (a 10**26-token row
+# overflowed deep in torch).
+MAX_TOKENS = 2**24
+# one rule for estimate_memory and plan_training
+SEQ_LEN_FROM_ROWS = ("with lengths the longest row is the sequence length; leave seq_len out "
+                     "(--seq-len on the command line)")
+_LENGTHS = ("lengths must be the token counts of the dataset's rows, in dataset order: a list, "
+            "tuple or 1-D array of integers")
+
+
+def _not_a_sequence(lengths: Any) -> str | None:
+    """Why ``lengths`` is not a sequence of counts (a dict, a set, a string), or None."""
+    if isinstance(lengths, (str, bytes)):
+        return ("a string; pass a list of integers (on the command line: --lengths FILE, one "
+                "count per line)")
+    if isinstance(lengths, Mapping):
+        return ("a dict (its keys would be read as the counts); pass list(d.values()) if its "
+                "values are the counts")
+    if isinstance(lengths, (set, frozenset)):
+        return "a set (no order, equal counts merged); pass a list in dataset order"
+    return None
+
+
+def _count(v: Any) -> int | None:
+    """``v`` as an int: Python, NumPy and 0-d torch integers (never a bool), else None."""
+    if isinstance(v, bool) or str(getattr(v, "dtype", "")).endswith("bool"):
+        return None
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
+
+
+def token_counts(lengths: Any) -> tuple[int, ...]:
+    """``lengths=`` (``estimate_memory``, ``plan_training``) as a tuple of ints: any sequence
+    or 1-D array of integral numbers (NumPy and torch integers included), each in
+    [1, ``MAX_TOKENS``]. ``HfMemkitError`` naming what was given otherwise."""
+    why = _not_a_sequence(lengths)
+    try:
+        items = list(lengths) if why is None else []
+    except TypeError:  # not iterable: an int, a 0-d array
+        why = f"{quoted(lengths)} ({type(lengths).__name__})"
+    if why:
+        raise HfMemkitError(f"{_LENGTHS}; got {why}")
+    if not items:
+        raise HfMemkitError(f"{_LENGTHS}; got an empty {type(lengths).__name__}")
+    rows, bad = [], []
+    for v in items:
+        n = _count(v)
+        if n is None or not 1 <= n <= MAX_TOKENS:
+            bad.append(quoted(v, 40) if n is None else str(n) if n < 1 else f"{n:.3g}")
+        rows.append(n)
+    if bad:
+        raise HfMemkitError(f"{_LENGTHS} from 1 to {MAX_TOKENS} (2**24); got {len(bad)} that "
+                            f"are not: {', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}")
+    return tuple(rows)
 
 
 def _fragments(lengths: Sequence[int], max_length: int, split: bool) -> list[int]:
@@ -78,11 +139,12 @@ def with_lengths(setup, lengths: Sequence[int] | None, seq_len: int | None):
 
     if lengths is None:
         return setup, seq_len
-    lengths = list(lengths)
-    bad = [n for n in lengths if isinstance(n, bool) or not isinstance(n, int) or n < 1]
-    if not len(lengths) or bad:
-        raise ConfigError([f"lengths must be the token counts of the dataset's rows (positive "
-                           f"integers), got {'an empty list' if not len(lengths) else bad[:5]}"],
+    try:
+        lengths = token_counts(lengths)
+    except HfMemkitError as exc:
+        raise ConfigError([str(exc)], source="estimate_memory") from None
+    if seq_len is not None:
+        raise ConfigError([f"lengths and seq_len={seq_len} are both given: {SEQ_LEN_FROM_ROWS}"],
                           source="estimate_memory")
     o = setup.trainer_options
     cap = o.get("max_length")
