@@ -175,14 +175,29 @@ class PlanRequest:
     def _pin_problems(self) -> list[Problem]:
         """Pins by their field's type and range, as Python values: ``bf16="False"`` is refused
         (transformers reads it as true), as in an ``estimate_memory`` dict (``_setup.fields``)."""
-        cls = TRAINERS.get(self.trainer or TRAINER.name).config_type()
+        kind = TRAINERS.get(self.trainer or TRAINER.name)
+        cls = kind.config_type()
         out = []
         for k, v in self.pins.items():
             try:
                 check_field(k, v, cls=cls, text=False)
             except HfMemkitError as exc:
                 out.append(Problem(k, str(exc)))
-        return out
+        if out or self.partial:  # a recipe's pins: normalize_args (check_pins) says it
+            return out
+        # what the trainer refuses when it is built, as the plan would emit it (planned from
+        # lengths, padding-free rows take max_length=None unless it is pinned)
+        pins, fields = dict(self.pins), config_fields(cls)
+        if self.lengths is not None and "max_length" not in self.constraints:
+            pins["max_length"] = None
+
+        def get(name: str) -> Any:
+            v = pins.get(name, fields.get(name))
+            return getattr(v, "value", v)  # enums -> str, as normalize_args reads them
+
+        why = "" if "max_length" in self.constraints else \
+            " (a plan's max_length is its seq_len unless pinned)"
+        return [Problem("padding_free", m + why) for m in kind.config_problems(kind.read(get))]
 
     def _choice_problems(self) -> list[Problem]:
         out = []

@@ -230,6 +230,8 @@ def normalize_args(args: TrainingArguments | dict[str, Any] | None, *,
     if r.problems:
         raise ConfigError(r.problems, source=source)
     options = dict(kind.read(r.get))
+    if kind.config_problems(options):
+        raise ConfigError(kind.config_problems(options), source=source)
     if ref_model is not None:
         options["ref_model"] = bool(ref_model)
     warned = unmodelled(uses) + kind.unmodelled(options) + unmodelled_settings(

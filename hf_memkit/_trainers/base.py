@@ -146,6 +146,11 @@ class TrainerKind:
         """``"field: what it changes"`` for settings on in ``options`` it does not model."""
         return []
 
+    def config_problems(self, options: Mapping[str, Any]) -> list[str]:
+        """What the trainer refuses when it is built with these ``options`` (its ``__init__``
+        raises): refused as it would be, before anything is traced."""
+        return []
+
     def adjust(self, uses: frozenset[Any]) -> frozenset[Any]:
         """The techniques that are on, as the trainer passes them on."""
         return uses

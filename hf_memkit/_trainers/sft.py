@@ -71,6 +71,17 @@ class SFT(TrlTrainerKind):
                 "completion_only_loss": get("completion_only_loss"),
                 "assistant_only_loss": bool(get("assistant_only_loss"))}
 
+    def config_problems(self, options: Mapping[str, Any]) -> list[str]:
+        # SFTTrainer.__init__ (TRL 1.16): padding-free without packing does not truncate the
+        # rows, so it raises unless max_length is None (text datasets; vision is not modelled)
+        ml = options.get("max_length")
+        if options.get("padding_free") and not options.get("packing") and ml is not None:
+            return [f"padding_free=True without packing needs max_length=None, got max_length="
+                    f"{ml}: SFTTrainer refuses it (without packing it does not truncate the rows, "
+                    "so max_length is not enforced). Set max_length=None and truncate the rows "
+                    "beforehand, or pack them (packing=True)"]
+        return []
+
     def _masked(self, options: Mapping[str, Any]) -> str | None:
         if options.get("assistant_only_loss"):
             return "what is outside the assistant turns (assistant_only_loss)"
