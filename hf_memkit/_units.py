@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from ._errors import HfMemkitError
@@ -25,6 +26,9 @@ def parse_bytes(value: int | float | str) -> int:
     if isinstance(value, bool):
         raise HfMemkitError(f"memory size `{value}` is not a size; give bytes or e.g. '20GiB'")
     if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            raise HfMemkitError(f"memory size {value!r} is not a finite number; give bytes or "
+                                "e.g. '20GiB'")
         if value < 0:
             raise HfMemkitError(f"memory size {value} is negative; give a positive size")
         return int(value)

@@ -14,7 +14,7 @@ from typing import Any
 
 import psutil
 
-from .._errors import HfMemkitError
+from .._errors import HfMemkitError, excerpt
 from .catalog import GpuSpec, catalog, lookup
 
 logger = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ def get_device(name: str, *, count: int = 1) -> DeviceInfo:
     spec = lookup(str(name))
     if spec is None:
         raise HfMemkitError(
-            f"unknown GPU `{name}`; known: {', '.join(list_devices())} "
+            f"unknown GPU `{excerpt(name)}`; known: {', '.join(list_devices())} "
             "(aliases such as 'a100' or 'NVIDIA A100-SXM4-80GB' work too; see `hf-memkit devices`)"
         )
     return _from_spec(spec, count=count)

@@ -19,14 +19,13 @@ from .._cuda.runtime import parse_cuda_version
 from .._device.precision import precision_issues
 from .._device.probe import resolve_device
 from .._engines import Sharding
-from .._errors import ConfigError, HfMemkitError
+from .._errors import ConfigError
 from .._model.spec import resolve_model
 from .._setup.setup import normalize_args
 from .._trainers.fused_head import with_completion
 from .._trainers.packing import MAX_TOKENS, with_lengths
-from .._units import parse_bytes
 from .activations import TraceCache
-from .budget import headroom_problem, memory_budget, resolve_headroom
+from .budget import headroom_problem, max_memory_problem, memory_budget, resolve_headroom
 from .phases import BREAKDOWN_SUM_KEYS, estimate_for
 from .result import MemoryEstimate
 
@@ -133,11 +132,8 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,
     headroom = resolve_headroom(headroom, max_memory, "estimate_memory")
     if headroom_problem(headroom):
         problems.append(headroom_problem(headroom))
-    if max_memory is not None:
-        try:
-            parse_bytes(max_memory)
-        except HfMemkitError as exc:
-            problems.append(f"max_memory: {exc}")
+    if max_memory_problem(max_memory):
+        problems.append(max_memory_problem(max_memory))
     if problems:
         raise ConfigError(problems, source="estimate_memory")
     if sharding is not None:

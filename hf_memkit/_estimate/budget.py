@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from .._device.probe import DeviceInfo
+from .._errors import HfMemkitError, quoted
 from .._units import format_bytes, parse_bytes
 
 # The fraction of device memory kept for other tenants of the GPU (a desktop session's
@@ -47,6 +48,23 @@ def headroom_problem(headroom: Any) -> str | None:
             or not 0 <= headroom < 1:
         return (f"headroom must be in [0, 1): the fraction of device memory kept free (0.05 "
                 f"keeps 5% free for other tenants of the GPU); got {headroom!r}")
+    return None
+
+
+def max_memory_problem(max_memory: Any, name: str = "max_memory") -> str | None:
+    """The sentence that says why ``max_memory`` is not a budget, or None: a size that does not
+    read (nan, inf, negative, "lots"), or 0 bytes (nothing fits: the value given, not the
+    device, is at fault)."""
+    if max_memory is None:
+        return None
+    try:
+        n = parse_bytes(max_memory)
+    except HfMemkitError as exc:
+        return f"{name}={quoted(max_memory)}: {exc}"
+    if n <= 0:
+        return (f"{name}={max_memory!r} is a budget of 0 bytes, in which nothing fits; give the "
+                f"memory the run may use (bytes, or e.g. '20GiB'), or leave {name} out to use "
+                "the device's")
     return None
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
-from .._errors import HfMemkitError, did_you_mean
+from .._errors import HfMemkitError, did_you_mean, excerpt
 
 # Hub ids that name a bundled config. The files hold the published config.json values.
 _HUB_IDS = {
@@ -157,7 +157,11 @@ def resolve_config(ref: str | os.PathLike) -> PretrainedConfig:
     """A config from a catalog name, a local directory with ``config.json``, or the HF cache.
     Custom code (``auto_map``) is never run: ``trust_remote_code=False`` everywhere."""
     path = Path(ref)
-    if path.is_dir():
+    try:
+        is_dir, is_json = path.is_dir(), path.suffix == ".json" and path.is_file()
+    except OSError:  # a name too long for the file system: no file, maybe a catalog name
+        is_dir = is_json = False
+    if is_dir:
         if not (path / "config.json").is_file():
             raise HfMemkitError(
                 f"directory `{path}` has no config.json; point at a model directory "
@@ -166,7 +170,7 @@ def resolve_config(ref: str | os.PathLike) -> PretrainedConfig:
             )
         _check_config_file(path / "config.json")
         return _from_pretrained(str(path), path / "config.json")
-    if path.suffix == ".json" and path.is_file():
+    if is_json:
         _check_config_file(path)
         return _from_pretrained(str(path), path)
     name = str(ref)
@@ -182,8 +186,8 @@ def resolve_config(ref: str | os.PathLike) -> PretrainedConfig:
     except Exception:
         pass
     raise HfMemkitError(
-        f"unknown model `{name}`{did_you_mean(name, list_models())}; bundled configs: "
+        f"unknown model `{excerpt(name)}`{did_you_mean(name, list_models())}; bundled configs: "
         f"{', '.join(list_models())}. Otherwise pass a local directory holding config.json "
-        f"(e.g. `huggingface-cli download {name} config.json --local-dir ./cfg`), a "
+        f"(e.g. `huggingface-cli download {excerpt(name)} config.json --local-dir ./cfg`), a "
         "PretrainedConfig, or a model"
     )

@@ -78,10 +78,31 @@ class ModelProfile:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "config"}
 
 
+def token_id_problem(config: PretrainedConfig) -> str | None:
+    """Why the model of ``config`` cannot be built for its token ids, or None: a
+    ``pad_token_id`` outside the vocabulary (the embedding's padding index; torch asserts deep
+    inside the model's ``__init__``). The config and its sub-configs (a text config) are read."""
+    subs = [getattr(config, k, None) for k in getattr(config, "sub_configs", {}) or {}]
+    for c in [config, *(s for s in subs if isinstance(s, PretrainedConfig))]:
+        vocab, pad = getattr(c, "vocab_size", None), getattr(c, "pad_token_id", None)
+        if not isinstance(vocab, int) or not isinstance(pad, int) or isinstance(pad, bool) \
+                or -vocab <= pad < vocab:
+            continue
+        eos = getattr(c, "eos_token_id", None)
+        eos = f", e.g. the eos_token_id {eos}" if isinstance(eos, int) and 0 <= eos < vocab else ""
+        return (f"pad_token_id={pad} is outside the vocabulary (vocab_size={vocab}): the "
+                f"embedding cannot pad with it; set pad_token_id to a token id in [0, {vocab})"
+                f"{eos}, or None, or raise vocab_size to cover it")
+    return None
+
+
 def build_model(config: PretrainedConfig, task: str | None = None, *,
                 device: str | torch.device = "meta", **kwargs: Any) -> PreTrainedModel:
     """Instantiate ``config`` with the head for ``task`` on ``device`` (meta: no memory)."""
     task = normalize_task(task, config)
+    problem = token_id_problem(config)
+    if problem:
+        raise HfMemkitError(problem)
     auto_cls = getattr(transformers, TASKS.get(task).auto_class)
     kwargs.setdefault("trust_remote_code", False)  # never run a model's own code (auto_map)
     try:

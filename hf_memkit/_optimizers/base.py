@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._compat import is_bitsandbytes_available
-from .._errors import HfMemkitError, did_you_mean
+from .._errors import HfMemkitError, did_you_mean, excerpt
 from .._registry import Registry
 
 
@@ -132,11 +132,11 @@ def get_optimizer_profile(name: str) -> OptimizerProfile:
     why = OPTIMIZERS.refusal(key)
     if why is not None:
         raise HfMemkitError(
-            f"cannot model the memory of optimizer `{key}`: {why}; modelled: "
+            f"cannot model the memory of optimizer `{excerpt(key)}`: {why}; modelled: "
             f"{', '.join(supported_optimizers())}. Pick one of these for `optim`")
     if key not in OPTIMIZERS:
         raise HfMemkitError(
-            f"cannot model the memory of optimizer `{key}`"
+            f"cannot model the memory of optimizer `{excerpt(key)}`"
             f"{did_you_mean(key, supported_optimizers())}; modelled: "
             f"{', '.join(supported_optimizers())}. Pick one of these for `optim`, or "
             "open an issue with the optimizer's state layout"

@@ -18,8 +18,14 @@ from .._cuda.runtime import parse_cuda_version
 from .._device.precision import PrecisionIssue, precision_issues
 from .._device.probe import DeviceInfo, probe_device, resolve_device
 from .._engines import engine_choices
-from .._errors import ConfigError, HfMemkitError, did_you_mean
-from .._estimate.budget import DEFAULT_HEADROOM, headroom_problem, memory_budget, unplannable
+from .._errors import ConfigError, HfMemkitError, did_you_mean, excerpt, quoted
+from .._estimate.budget import (
+    DEFAULT_HEADROOM,
+    headroom_problem,
+    max_memory_problem,
+    memory_budget,
+    unplannable,
+)
 from .._methods import METHODS, method_choices
 from .._setup.fields import check_field, config_fields
 from .._trainers import TRAINER, TRAINERS
@@ -46,9 +52,9 @@ def _positive_int(v: Any) -> bool:
 
 
 def _choice_problem(name: str, value: Any, allowed: list[str]) -> Problem:
-    detail = (f"expected one of {', '.join(allowed)}, got {value!r}"
+    detail = (f"expected one of {', '.join(allowed)}, got {quoted(value)}"
               f"{did_you_mean(str(value), allowed)}")
-    return Problem(name, f"{name} `{value}` is unknown; {detail}", detail)
+    return Problem(name, f"{name} `{excerpt(value)}` is unknown; {detail}", detail)
 
 
 def _divisors(n: int) -> list[int]:
@@ -156,6 +162,13 @@ class PlanRequest:
                                           f"got {self.seq_len}"))
         if headroom_problem(self.headroom):
             out.append(Problem("headroom", headroom_problem(self.headroom)))
+        if max_memory_problem(self.max_memory):
+            out.append(Problem("max_memory", max_memory_problem(self.max_memory)))
+        if self.host_memory is not None:
+            try:
+                parse_bytes(self.host_memory)
+            except HfMemkitError as exc:
+                out.append(Problem("host_memory", f"host_memory: {exc}"))
         for name in ("num_gpus", "num_nodes"):
             v = getattr(self, name)
             if v is not None and not _positive_int(v):

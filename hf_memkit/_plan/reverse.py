@@ -8,7 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._errors import ConfigError, HfMemkitError
-from .._estimate.budget import headroom_problem, resolve_headroom, unplannable
+from .._estimate.budget import (
+    headroom_problem,
+    max_memory_problem,
+    resolve_headroom,
+    unplannable,
+)
 from .request import PlanRequest
 
 
@@ -83,8 +88,6 @@ def _positive_int(v: Any) -> bool:
 def _check(source: str, *, limit: Any, headroom: Any, max_memory: Any, seq_len: Any = 1,
            multiple_of: Any = 1) -> float:
     """Every problem of a reverse query's own arguments at once; the headroom to use."""
-    from .._units import parse_bytes
-
     problems = []
     for name, v, what in (("seq_len", seq_len, "tokens per sequence"),
                           ("limit", limit, "the largest value to try"),
@@ -96,13 +99,8 @@ def _check(source: str, *, limit: Any, headroom: Any, max_memory: Any, seq_len: 
                         f"give limit >= {multiple_of}")
     if headroom is not None and headroom_problem(headroom):
         problems.append(headroom_problem(headroom))
-    if max_memory is not None:
-        try:
-            if parse_bytes(max_memory) <= 0:
-                raise HfMemkitError("")
-        except HfMemkitError:
-            problems.append(f"max_memory must be a positive size in bytes or e.g. '20GiB', got "
-                            f"{max_memory!r}")
+    if max_memory_problem(max_memory):
+        problems.append(max_memory_problem(max_memory))
     if problems:
         raise ConfigError(problems, source=source)
     return float(resolve_headroom(headroom, max_memory, source, stacklevel=4))

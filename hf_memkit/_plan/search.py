@@ -219,7 +219,10 @@ class Search:
             f" + margin {format_bytes(est.upper - est.required)} (the estimate's "
             "uncertainty; `hf-memkit calibrate` on this GPU narrows it)")
         needs = est.required if est is not None else best.device_used
+        mm = self.req.max_memory
+        has = f"{dev.name} has {format_bytes(budget)} usable" if mm is None else \
+            f"max_memory={mm!r} allows {format_bytes(budget)}; raise max_memory, or try"
         raise HfMemkitError(
             f"needs at least {format_bytes(needs)}{margin} with {best.label()} at "
-            f"seq {seq_len}; {dev.name} has {format_bytes(budget)} usable; try a shorter "
+            f"seq {seq_len}; {has if mm is not None else has + '; try'} a shorter "
             f"seq_len{qlora}, more GPUs or a larger GPU")

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._errors import excerpt, quoted
+
 
 def describe(v: Any) -> str:
-    """A value as a problem quotes it: numbers written as strings and booleans say so."""
+    """A value as a problem quotes it (at most an excerpt): numbers written as strings and
+    booleans say so."""
     if isinstance(v, str):
-        return f"{v!r} (a string)" if v.strip().lstrip("-").replace(".", "", 1).isdigit() else repr(v)
+        number = v[:100].strip().lstrip("-").replace(".", "", 1).isdigit() and len(v) < 100
+        return f"{quoted(v)} (a string)" if number else quoted(v)
     if isinstance(v, bool):
         return f"{v!r} (a boolean)"
-    return repr(v)
+    return quoted(v)
 
 
 class Checker:
@@ -24,7 +28,8 @@ class Checker:
         self.problems: list[str] = []
 
     def add(self, key: str, msg: str) -> None:
-        self.problems.append(f"{self.where}: {key}: {msg}")
+        """``key``: where in the recipe (a key read from the file is quoted as an excerpt)."""
+        self.problems.append(f"{self.where}: {excerpt(key)}: {msg}")
 
     def positive_int(self, key: str, v: Any) -> int | None:
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._errors import ConfigError, HfMemkitError, did_you_mean
+from .._errors import ConfigError, HfMemkitError, did_you_mean, excerpt, quoted
 from .checker import Checker, describe
 from .schema import (
     FIELDS,
@@ -95,14 +95,21 @@ class _State:
         """A path relative to the recipe file (or absolute / from the cwd) that exists."""
         p = Path(os.path.expanduser(v))
         for cand in ((p,) if p.is_absolute() else (self.base / p, p)):
-            if cand.exists():
-                return cand.resolve()
+            try:
+                if cand.exists():
+                    return cand.resolve()
+            except OSError:  # a name too long for the file system is no file
+                continue
         return None
 
 
 def validate(raw: dict, file: Path, where: str) -> Recipe:
     """The ``Recipe`` of a parsed recipe file, or one ``ConfigError`` listing every problem."""
     c = Checker(where)
+    if raw and not any(str(k) in TOP for k in raw):  # /etc/passwd: no line of it is echoed
+        raise ConfigError([f"{where}: not a recipe: none of its {len(raw)} top-level key(s) is a "
+                           f"recipe key ({', '.join(sorted(TOP))}); a recipe is YAML like "
+                           "the bundled ones (hf-memkit recipes list)"], source=where)
     st = _State(c, _flatten(raw, c), file.resolve().parent, {"source": where})
     for key, hint in _REQUIRED.items():
         if st.flat.get(key) is None:
@@ -118,8 +125,13 @@ def validate(raw: dict, file: Path, where: str) -> Recipe:
 # -- model ------------------------------------------------------------------------------------
 
 def _model_section(st: _State) -> None:
+    from .._model.profile import token_id_problem
+
     _model_name(st)
     _model_overrides(st)
+    problem = token_id_problem(st.config) if st.config is not None else None
+    if problem:  # the model could not be built (pad_token_id outside the vocabulary)
+        st.c.add("model.overrides" if st.kw.get("model_overrides") else "model.name", problem)
     task = st.flat.get("model.task")
     if task is not None and st.c.string("model.task", task):
         from .._model.tasks import normalize_task
@@ -138,7 +150,7 @@ def _model_name(st: _State) -> None:
     path = st.local(name)
     st.kw["model"] = str(path) if path is not None else name
     if path is None and (name.startswith((".", "/", "~")) or name.endswith(".json")):
-        st.c.add("model.name", f"no such directory or file `{name}` (relative paths are "
+        st.c.add("model.name", f"no such directory or file `{excerpt(name)}` (relative paths are "
                                f"relative to the recipe file, {st.base})")
         return
     try:
@@ -177,7 +189,7 @@ def _model_tokenizer(st: _State) -> None:
         return
     p = st.local(tok)
     if p is None or not p.is_dir():
-        st.c.add("model.tokenizer", f"no such directory `{tok}` (relative paths are relative "
+        st.c.add("model.tokenizer", f"no such directory `{excerpt(tok)}` (relative paths are relative "
                                     f"to the recipe file, {st.base})")
     elif not has_tokenizer(p):
         st.c.add("model.tokenizer", f"`{tok}` holds no tokenizer files "
@@ -208,7 +220,7 @@ def _data_file(st: _State, data: str) -> None:
     """``data.source`` naming a local file: it exists, has a known type, and has a tokenizer."""
     p = st.local(data)
     if p is None or not p.is_file():
-        st.c.add("data.source", f"no such file `{data}`; give 'synthetic' or a local "
+        st.c.add("data.source", f"no such file `{excerpt(data)}`; give 'synthetic' or a local "
                                 f"{'/'.join(DATA_SUFFIXES)} file (relative paths are "
                                 f"relative to the recipe file, {st.base})")
     elif p.suffix not in DATA_SUFFIXES:
@@ -301,7 +313,7 @@ def _hardware_device(st: _State) -> None:
         st.dev = get_device(device)
         st.kw["device"] = "cpu" if st.dev.kind == "cpu" else st.dev.name
     except HfMemkitError:
-        st.c.add("hardware.device", f"unknown GPU `{device}`"
+        st.c.add("hardware.device", f"unknown GPU `{excerpt(device)}`"
                  f"{did_you_mean(device, [*list_devices(), 'cpu'])}; allowed: 'cpu', or a "
                  f"catalog GPU: {', '.join(list_devices())} (hf-memkit devices), or omit the "
                  "key to use this machine")
@@ -356,7 +368,7 @@ def _trainer_section(st: _State) -> None:
         name = trainer_of_args(None, v)
     except HfMemkitError as exc:   # TRL's GRPO, RLOO, ... are refused by name
         refused = v.lower().replace("-", "_") in NOT_MODELLED
-        st.c.add("trainer", str(exc) if refused else f"unknown trainer {v!r}"
+        st.c.add("trainer", str(exc) if refused else f"unknown trainer {quoted(v)}"
                  f"{did_you_mean(v, TRAINERS.names())}; allowed: {allowed}")
         return
     try:
@@ -412,7 +424,7 @@ def _outputs_section(st: _State) -> None:
         else:
             for x in cbs:
                 if x not in CALLBACKS:
-                    c.add("callbacks", f"unknown callback `{x}`{did_you_mean(x, CALLBACKS)}; "
+                    c.add("callbacks", f"unknown callback `{excerpt(x)}`{did_you_mean(x, CALLBACKS)}; "
                                        f"allowed: {', '.join(CALLBACKS)}")
             st.kw["callbacks"] = list(cbs)
     if flat.get("output_dir") is not None and c.string("output_dir", flat["output_dir"]):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..._errors import HfMemkitError
+from ..._errors import HfMemkitError, excerpt
 from ..._registry import Registry
 
 
@@ -43,7 +43,7 @@ def normalize_task(task: str | None, config: Any = None) -> str:
         return infer_task(config) if config is not None else "causal-lm"
     if task not in TASKS:
         raise HfMemkitError(
-            f"unknown task `{task}`; allowed: {', '.join(TASKS.names())} (or 'auto' to read it "
+            f"unknown task `{excerpt(task)}`; allowed: {', '.join(TASKS.names())} (or 'auto' to read it "
             "from config.architectures)")
     return TASKS.get(task).name
 

@@ -100,7 +100,7 @@ def _est(args=None, **kw):
 
 API_CASES = {
     # TrainingArguments fields by type and range (dict args)
-    "bf16 maybe": (_est({"bf16": "maybe"}), ["'maybe'", "true/false"]),
+    "bf16 maybe": (_est({"bf16": "maybe"}), ["'maybe'", "True or False"]),
     "bf16 2": (_est({"bf16": 2}), ["got 2", "a boolean"]),
     "learning_rate abc": (_est({"learning_rate": "abc"}), ["'abc'", "a number"]),
     "learning_rate nan": (_est({"learning_rate": float("nan")}), ["nan", "a number"]),
@@ -147,7 +147,7 @@ API_CASES = {
         ["Llama-9-1B", "bundled configs"]),
     "max_batch_size bad field": (
         lambda d: mk.max_batch_size(d, {"bf16": "sometimes"}, seq_len=8, device="cpu"),
-        ["'sometimes'", "true/false"]),
+        ["'sometimes'", "True or False"]),
     # load_recipe of something that is not a path
     "load_recipe(5)": (lambda d: load_recipe(5), ["int 5", "path of a recipe .yaml"]),
     "load_recipe(None)": (lambda d: load_recipe(None), ["None", "bundled recipe"]),
