@@ -2,7 +2,8 @@
 
 Each ``is_*_available`` answers without importing the package twice; ``require`` raises an
 error that names the feature lost and the extra that brings it back; ``quiet_notices`` drops
-the notices that our own imports and traces make third-party packages log, ``quiet_peft`` the
+the notices that our own imports and traces make third-party packages log (and the warnings
+our traces make torch raise), ``quiet_peft`` the
 deprecation warnings peft triggers in transformers when our code calls it.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -94,6 +96,19 @@ NOTICES: tuple[tuple[str, str], ...] = (
 )
 
 
+# Warnings third-party code raises because of what our traces do, not what the user did:
+# (category, the exact message, the module that raises it); one line per warning.
+TRACE_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
+    # MemTracker's backward hooks hold each module by weak reference; where a traced module is
+    # gone by its backward (BERT's, on every estimate and twice per plan candidate), torch skips
+    # that module's own snapshot and warns. Our trace reads only the global peak
+    # (_trace/step.py, _GlobalPeakTracker), which the skipped snapshot does not change.
+    (UserWarning, "Module is None. Skipping PRE_BW hook.", "torch.distributed._tools.mod_tracker"),
+    (UserWarning, "Module is None. Skipping POST_BW hook.",
+     "torch.distributed._tools.mod_tracker"),
+)
+
+
 class _DropNotice(logging.Filter):
     def __init__(self, prefix: str):
         super().__init__()
@@ -105,13 +120,18 @@ class _DropNotice(logging.Filter):
 
 @contextmanager
 def quiet_notices() -> Iterator[None]:
-    """Drop ``NOTICES`` while the body runs (our imports of optional stacks, our traces), and
-    only then: a user who imports bitsandbytes first still sees what it says. Also a decorator."""
+    """Drop ``NOTICES`` and ``TRACE_WARNINGS`` while the body runs (our imports of optional
+    stacks, our traces), and only then: a user who imports bitsandbytes first still sees what it
+    says, and every other warning still shows. Also a decorator."""
     added = [(logging.getLogger(name), _DropNotice(prefix)) for name, prefix in NOTICES]
     for logger, notice in added:
         logger.addFilter(notice)
     try:
-        yield
+        with warnings.catch_warnings():
+            for category, message, module in TRACE_WARNINGS:
+                warnings.filterwarnings("ignore", message=re.escape(message) + r"\Z",
+                                        category=category, module=re.escape(module) + r"\Z")
+            yield
     finally:
         for logger, notice in added:
             logger.removeFilter(notice)

@@ -34,7 +34,7 @@ MAX_TOKENS = 2**24
 SEQ_LEN_FROM_ROWS = ("with lengths the longest row is the sequence length; leave seq_len out "
                      "(--seq-len on the command line)")
 _LENGTHS = ("lengths must be the token counts of the dataset's rows, in dataset order: a list, "
-            "tuple or 1-D array of integers")
+            f"tuple or 1-D array of positive integers (at most {MAX_TOKENS} = 2**24 each)")
 
 
 def _not_a_sequence(lengths: Any) -> str | None:
@@ -80,8 +80,8 @@ def token_counts(lengths: Any) -> tuple[int, ...]:
             bad.append(quoted(v, 40) if n is None else str(n) if n < 1 else f"{n:.3g}")
         rows.append(n)
     if bad:
-        raise HfMemkitError(f"{_LENGTHS} from 1 to {MAX_TOKENS} (2**24); got {len(bad)} that "
-                            f"are not: {', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}")
+        raise HfMemkitError(f"{_LENGTHS}; got {len(bad)} that are not: "
+                            f"[{', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}]")
     return tuple(rows)
 
 

@@ -161,11 +161,13 @@ def test_estimate_from_a_lengths_file_matches_the_api(model_dir, capsys, tmp_pat
     f.write_text("\n".join(map(str, lengths)))
     argv = ["estimate", model_dir, "--gpu", "cpu", "--batch", "4", "--lengths", str(f), *FP32,
             "--json"]
-    # padding-free SFT: the fullest micro-batch of these rows (not 4 x the longest)
-    assert main([*argv, "--trainer", "sft", "padding_free=true"]) == 0
+    # padding-free SFT: the fullest micro-batch of these rows (not 4 x the longest); without
+    # packing TRL takes the rows as they are (max_length=none)
+    assert main([*argv, "--trainer", "sft", "padding_free=true", "max_length=none"]) == 0
     pf = _json(capsys)
     api = _api(model_dir, dict(per_device_train_batch_size=4, per_device_eval_batch_size=4,
-                               padding_free=True, bf16=False, gradient_checkpointing=False),
+                               padding_free=True, max_length=None, bf16=False,
+                               gradient_checkpointing=False),
                device="cpu", trainer="sft", lengths=lengths)
     assert pf["peak_allocated"] == api.peak_allocated
     # the plain Trainer pads: the longest row
