@@ -1,5 +1,6 @@
 """Errors that tell the user what was wrong, what is allowed, and how to fix it; what they quote
-of a user's input (``excerpt``), and how a file the user names is read (``read_user_file``)."""
+of a user's input (``excerpt``), and how a file the user names is read (``read_user_file``,
+``read_json_file``)."""
 
 from __future__ import annotations
 
@@ -51,18 +52,21 @@ def quoted(value: object, limit: int = EXCERPT) -> str:
     return excerpt(repr(value), limit)
 
 
-def read_user_file(path: str | os.PathLike, *, what: str, cap: int) -> bytes:
+def read_user_file(path: str | os.PathLike, *, what: str, cap: int,
+                   name: str | None = None) -> bytes:
     """The bytes of the regular file a user named (``what``: what it should be, "a lengths
-    file"). ``HfMemkitError`` for anything else: a FIFO, a device or a socket (reading one
+    file"; ``name``: how messages name it, default the path). ``HfMemkitError`` for anything
+    else: a FIFO, a device or a socket (reading one
     waits for a writer, or never ends: /dev/zero), a directory, or more than ``cap`` bytes.
     Opened without blocking, so a FIFO with no writer is refused at once."""
     import stat
 
     size = f"{cap / 2**20:g} MiB" if cap >= 2**20 else f"{cap} bytes"
+    name = name or excerpt(path)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
-        raise HfMemkitError(f"{excerpt(path)}: cannot read it ({exc.strerror or exc}); give "
+        raise HfMemkitError(f"{name}: cannot read it ({exc.strerror or exc}); give "
                             f"{what}") from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
@@ -72,10 +76,28 @@ def read_user_file(path: str | os.PathLike, *, what: str, cap: int) -> bytes:
                 if stat.S_ISSOCK(mode) else None)
         why = f"{kind}, not a regular file (reading it could wait forever or never end)" \
             if kind else ("a directory" if stat.S_ISDIR(mode) else "not a regular file")
-        raise HfMemkitError(f"{excerpt(path)} is {why}; give {what}, saved as a regular file")
+        raise HfMemkitError(f"{name} is {why}; give {what}, saved as a regular file")
     with os.fdopen(fd, "rb") as f:
         data = f.read(cap + 1)
     if len(data) > cap:
-        raise HfMemkitError(f"{excerpt(path)} is larger than {size}, the most hf_memkit reads "
+        raise HfMemkitError(f"{name} is larger than {size}, the most hf_memkit reads "
                             f"here; give {what} of at most {size}")
     return data
+
+
+def read_json_file(path: str | os.PathLike, *, name: str, what: str, cap: int, fix: str) -> object:
+    """The JSON value of a file the user named (read by ``read_user_file``); ``HfMemkitError``
+    saying ``name`` is not UTF-8, empty or not valid JSON (where, never what), then ``fix``."""
+    import json
+
+    data = read_user_file(path, what=what, cap=cap, name=name)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise HfMemkitError(f"{name} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
+                            f"{exc.start}); {fix}") from None
+    except ValueError as exc:  # JSONDecodeError, or an integer of over 4300 digits
+        why = "empty" if not data.strip() else "not valid JSON" + (
+            f" (line {exc.lineno}, column {exc.colno}: {exc.msg})"
+            if isinstance(exc, json.JSONDecodeError) else f" ({excerpt(exc)})")
+        raise HfMemkitError(f"{name} is {why}; {fix}") from None

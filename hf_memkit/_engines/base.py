@@ -11,12 +11,11 @@ says in which dtype each rank computes (``traces_half``).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .._errors import HfMemkitError, excerpt, quoted, read_user_file
+from .._errors import HfMemkitError, excerpt, quoted, read_json_file
 from .._registry import Registry
 
 
@@ -263,19 +262,8 @@ def load_json(value: Any, what: str) -> dict[str, Any]:
         raise HfMemkitError(f"{what} must be a dict or the path of a JSON file; got "
                             f"{quoted(value)}")
     fix = f"give {what} a dict, or the path of a JSON file holding one object"
-    try:
-        data = read_user_file(value, what=f"a JSON file for {what}", cap=JSON_CAP)
-    except HfMemkitError as exc:
-        raise HfMemkitError(f"{what}={exc}") from None
-    try:
-        out = json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise HfMemkitError(f"{what}={excerpt(value)}: not UTF-8 text (byte "
-                            f"0x{data[exc.start]:02x} at offset {exc.start}); {fix}") from None
-    except ValueError as exc:  # json.JSONDecodeError: no file contents quoted
-        where = f" (line {exc.lineno}, column {exc.colno}: {exc.msg})" \
-            if isinstance(exc, json.JSONDecodeError) else ""
-        raise HfMemkitError(f"{what}={excerpt(value)} is not valid JSON{where}; {fix}") from None
+    out = read_json_file(value, name=f"{what}={excerpt(value)}", what=f"a JSON file for {what}",
+                         cap=JSON_CAP, fix=fix)
     if not isinstance(out, dict):
         raise HfMemkitError(f"{what}={excerpt(value)} holds a JSON {type(out).__name__}, not an "
                             f"object; {fix}")

@@ -16,7 +16,7 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
-from .._errors import HfMemkitError, did_you_mean, excerpt
+from .._errors import HfMemkitError, did_you_mean, excerpt, read_json_file
 
 # Hub ids that name a bundled config. The files hold the published config.json values.
 _HUB_IDS = {
@@ -81,6 +81,9 @@ def load_bundled_config(name: str) -> PretrainedConfig:
     return config
 
 
+CONFIG_CAP = 64 * 2**20  # bytes of a config.json (the largest hold label maps of a few MiB)
+
+
 def _check_config_file(file: Path) -> dict:
     """``config.json`` read and checked before transformers sees it: UTF-8, JSON, a mapping with
     a ``model_type`` transformers knows. A config whose type only the directory's own Python
@@ -89,20 +92,8 @@ def _check_config_file(file: Path) -> dict:
 
     fix = ("write it with config.save_pretrained(dir), or use a catalog name: "
            f"{', '.join(list_models())}")
-    try:
-        data = file.read_bytes()
-    except OSError as exc:
-        raise HfMemkitError(f"cannot read `{file}`: {exc.strerror}") from None
-    try:
-        d = json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise HfMemkitError(f"`{file}` is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
-                            f"{exc.start}); a config.json is UTF-8 JSON: {fix}") from None
-    except json.JSONDecodeError as exc:
-        what = "empty" if not data.strip() else (
-            f"not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})")
-        raise HfMemkitError(f"`{file}` is {what}; a config.json is one JSON object with a "
-                            f"`model_type`: {fix}") from None
+    d = read_json_file(file, name=f"`{file}`", what="a config.json", cap=CONFIG_CAP,
+                       fix=f"a config.json is one JSON object with a `model_type`: {fix}")
     if not isinstance(d, dict):
         raise HfMemkitError(f"`{file}` holds a JSON {type(d).__name__}, not an object; a "
                             f"config.json is one JSON object with a `model_type`: {fix}")

@@ -147,10 +147,7 @@ def read_lengths(path: str | None) -> list[int] | None:
     if path is None:
         return None
     what = "a file of the rows' token counts, one per line or a JSON list"
-    try:
-        data = read_user_file(path, what=what, cap=LENGTHS_CAP)
-    except HfMemkitError as exc:
-        raise HfMemkitError(f"--lengths {exc}") from None
+    data = read_user_file(path, what=what, cap=LENGTHS_CAP, name=f"--lengths {excerpt(path)}")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:

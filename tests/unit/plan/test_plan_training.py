@@ -97,6 +97,34 @@ def test_property_plan_fits_and_keeps_effective_batch(fraction, target):
     assert target % c.micro_batch == 0
 
 
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(vocab=st.sampled_from([64, 2000]), pad=st.one_of(st.none(), st.integers(-3, 2100)),
+       max_memory=st.sampled_from([None, 0, -1, float("nan"), float("inf"), "0GiB",
+                                   8 * GiB]))
+def test_property_bad_token_ids_and_budgets_are_named_never_crash(vocab, pad, max_memory):
+    """Issue 28: a pad_token_id >= the vocabulary crashed 4 of 50 random planner cases deep in
+    torch (nn.Embedding); a budget of nan, inf, a negative or 0 raised raw errors or blamed the
+    device. Every case is a plan or an HfMemkitError naming the bad value."""
+    cfg = LlamaConfig(**{**TINY.to_diff_dict(), "vocab_size": vocab, "pad_token_id": pad})
+    bad_pad = pad is not None and not -vocab <= pad < vocab
+    bad_budget = max_memory is not None and not (isinstance(max_memory, int) and max_memory > 0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            p = mk.plan_training(cfg, seq_len=SEQ, target_batch_size=4, device=cpu(8 * GiB),
+                                 max_memory=max_memory)
+    except mk.HfMemkitError as exc:
+        msg = str(exc)
+        assert bad_pad or bad_budget, msg
+        if bad_budget:  # checked first, with the other arguments
+            assert f"max_memory={max_memory!r}" in msg, msg
+        else:
+            assert f"pad_token_id={pad} is outside the vocabulary (vocab_size={vocab})" in msg
+        return
+    assert not bad_pad and not bad_budget
+    assert p.chosen.micro_batch * p.chosen.grad_accum == 4
+
+
 def test_auto_fallback_to_lora_only_when_no_full_setup_fits():
     require("peft")
     states = mk.profile_model(TINY).total_params * 4 * 3  # fp32 weights + grads + one moment
