@@ -12,38 +12,19 @@ import warnings
 from pathlib import Path
 
 import pytest
-from transformers import LlamaConfig
 
 from hf_memkit._compat import quiet_notices
-from hf_memkit.commands.main import main
+from tests.unit.commands.test_bad_input import RECIPE_HEAD, cli
 
-RECIPE_HEAD = ("model: Llama-3.2-1B\ntraining: {seq_len: 64, target_batch_size: 8}\n"
-               "hardware: {device: cpu}\n")
+# a bundled model: every check below refuses before any model is built or traced
+MODEL = "gpt2"
 
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("tiny")
-    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=1, vocab_size=128,
-                max_position_embeddings=256).save_pretrained(d)
-    return d
-
-
-def cli(argv: list[str], capsys) -> tuple[int, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err
-
-
-def test_a_fifo_given_as_lengths_is_refused_at_once(tiny_dir, tmp_path):
+def test_a_fifo_given_as_lengths_is_refused_at_once(tmp_path):
     """It waited forever for a writer; a real FIFO, in a process that must end in time."""
     fifo = tmp_path / "lengths.fifo"
     os.mkfifo(fifo)
     r = subprocess.run([sys.executable, "-m", "hf_memkit.commands.main", "estimate",
-                        str(tiny_dir), "--gpu", "cpu", "--lengths", str(fifo)],
+                        MODEL, "--gpu", "cpu", "--lengths", str(fifo)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert (f"--lengths {fifo} is a FIFO (named pipe), not a regular file (reading it could "
@@ -69,10 +50,9 @@ def test_a_fifo_given_as_lengths_is_refused_at_once(tiny_dir, tmp_path):
     ("long bad line", lambda p: _write(p / "l.txt", b"12\n" + b"x" * 5_000_000 + b"\n"),
      "l.txt, line 2: 'xxxxxxxx"),
 ])
-def test_lengths_files_that_cannot_be_counts_exit_2(name, make, says, tiny_dir, tmp_path,
-                                                    capsys):
+def test_lengths_files_that_cannot_be_counts_exit_2(name, make, says, tmp_path, capsys):
     path = make(tmp_path)
-    code, err = cli(["estimate", str(tiny_dir), "--gpu", "cpu", "--trainer", "sft",
+    code, err = cli(["estimate", MODEL, "--gpu", "cpu", "--trainer", "sft",
                      "max_length=none", "padding_free=true", "--lengths", str(path)], capsys)
     assert code == 2 and "Traceback" not in err
     assert says in err, err
@@ -151,8 +131,8 @@ def test_a_model_name_of_5mb_is_quoted_as_an_excerpt(tmp_path, capsys):
     assert "model.name: unknown model `" + "y" * 79 + "…`" in err and len(err) < 2000
 
 
-def test_max_memory_zero_on_the_command_line_names_the_value(tiny_dir, capsys):
-    code, err = cli(["plan", str(tiny_dir), "--gpu", "T4", "--seq-len", "64",
+def test_max_memory_zero_on_the_command_line_names_the_value(capsys):
+    code, err = cli(["plan", MODEL, "--gpu", "T4", "--seq-len", "64",
                      "--target-batch", "8", "--max-memory", "0"], capsys)
     assert code == 2
     assert "max_memory='0' is a budget of 0 bytes, in which nothing fits" in err
