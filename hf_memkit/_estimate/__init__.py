@@ -142,8 +142,8 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,
     _warn_precision(setup.amp, setup.tf32, dev)
     spec = resolve_model(model, task=task, dtype=dtype, attn_implementation=attn_implementation,
                          peft_config=peft_config, quantization_config=quantization_config)
-    if seq_len is not None and spec.positions_warning(seq_len):
-        warnings.warn(spec.positions_warning(seq_len), UserWarning, stacklevel=2)
+    if seq_len is not None and spec.positions_warning(seq_len, seq_name):
+        warnings.warn(spec.positions_warning(seq_len, seq_name), UserWarning, stacklevel=2)
     est = estimate_for(spec, setup, dev, seq_len=seq_len, stage=stage, target_len=target_len,
                        padded=padded, cuda_version=cuda_version, seq_name=seq_name)
     est.budget, est.budget_basis = memory_budget(dev, headroom=headroom, max_memory=max_memory,

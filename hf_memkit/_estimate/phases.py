@@ -60,8 +60,8 @@ def check_setup(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, seq_len:
                             f"embeddings ({learned}); use {seq_name} <= {learned}")
     notes = backend_notes(dev)
     notes += [i.message for i in precision_issues(dev, bf16=setup.amp == "bf16")]
-    if spec.positions_warning(seq_len):
-        notes.append(spec.positions_warning(seq_len))
+    if spec.positions_warning(seq_len, seq_name):
+        notes.append(spec.positions_warning(seq_len, seq_name))
     if setup.tf32:
         notes.append("tf32 changes matmul precision only; no memory effect")
     notes.extend(f"not modelled: {u}" for u in setup.unmodelled)

@@ -110,18 +110,18 @@ class ModelSpec:
                 self, lora=dataclasses.replace(self.lora, adapter_dtype=dtype), meta=meta)
         return self._variants[key]
 
-    def positions_warning(self, seq_len: int) -> str | None:
+    def positions_warning(self, seq_len: int, seq_name: str = "seq_len") -> str | None:
         """What a sequence past ``max_position_embeddings`` means for a model with no learned
         position table (rotary and other computed positions): transformers runs it, the model
         was not trained there. (A learned table refuses it: ``learned_positions``.)"""
         limit = getattr(self.meta.config.get_text_config(), "max_position_embeddings", None)
         if not isinstance(limit, int) or seq_len <= limit or self.learned_positions():
             return None
-        return (f"seq_len {seq_len} is past this model's max_position_embeddings ({limit}): "
+        return (f"{seq_name} {seq_len} is past this model's max_position_embeddings ({limit}): "
                 "its positions are computed (rotary), so transformers runs it and memory is as "
                 "estimated, but the model was not trained on positions this far; extend its "
                 "context with rope scaling (e.g. YaRN in the config's rope_parameters) or "
-                f"use seq_len <= {limit}")
+                f"use {seq_name} <= {limit}")
 
     def learned_positions(self) -> int | None:
         """Longest sequence a model with a learned absolute position table can take (None:
