@@ -418,4 +418,4 @@ def estimate_command(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    estimate_parser(sub).set_defaults(func=estimate_command, check=check_input)
+    estimate_parser(sub).set_defaults(func=estimate_command, before_torch=check_input)

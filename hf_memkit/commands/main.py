@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         # what needs no torch is checked first (an unknown model or GPU: refused in < 1 s)
-        if getattr(args, "check", None) is not None:
-            args.check(args)
+        if getattr(args, "before_torch", None) is not None:
+            args.before_torch(args)
         with quiet_notices(), _warnings_as_lines(args.command):
             if hasattr(args, "fields"):  # their types come from TrainingArguments (torch)
                 from .estimate import typed_fields

@@ -183,4 +183,4 @@ def plan_command(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    plan_parser(sub).set_defaults(func=plan_command, check=check_plan_input)
+    plan_parser(sub).set_defaults(func=plan_command, before_torch=check_plan_input)
