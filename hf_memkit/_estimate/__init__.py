@@ -4,7 +4,8 @@ Model states (weights, gradients, optimizer state) are computed analytically fro
 list (``_model.spec``, ``_optimizers``, ``_engines``), so optimizers whose kernels cannot run on
 fake tensors (bitsandbytes) are still exact. Activations and temporaries come from tracing the
 real model code on fake tensors (``activations``); ``phases`` puts them together per phase of
-the step, and ``result`` holds the answer.
+the step, and ``result`` holds the answer. ``store`` keeps traces (and their allocator replays)
+on disk between processes.
 """
 
 from __future__ import annotations
@@ -118,6 +119,8 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,
     ``completion_len`` (SFT with ``completion_only_loss`` / ``assistant_only_loss``, DPO): the
     labelled tokens of a row, which alone TRL's head scores on CUDA (``_trainers.fused_head``);
     without it every position is scored (an upper bound).
+    Traces are kept on disk between processes, keyed by all they depend on (``store``; off
+    with ``HF_MEMKIT_NO_CACHE=1``).
     """
     setup = normalize_args(args, source="args", num_gpus=num_gpus, trainer=trainer,
                            ref_model=ref_model)

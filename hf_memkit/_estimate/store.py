@@ -55,6 +55,7 @@ SUFFIX = ".trace"
 NO_CACHE_ENV = "HF_MEMKIT_NO_CACHE"
 SIZE_ENV = "HF_MEMKIT_TRACE_CACHE_SIZE"
 DEFAULT_LIMIT = 512 * 2**20
+MAX_INFLATED = 256 * 2**20  # an entry's JSON: a trace's is some 100 KiB
 STALE_TEMP_S = 3600           # a temporary file older than this is a writer's leftover
 LIBRARIES = ("torch", "transformers", "accelerate", "peft", "trl", "bitsandbytes")
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
@@ -211,7 +212,7 @@ class TraceStore:
             return None
         try:
             with open(p, "rb") as f:
-                entry = json.loads(zlib.decompress(f.read(st.st_size + 1)))
+                entry = json.loads(_inflate(f.read(st.st_size + 1)))
             if entry.get("format") != FORMAT or entry.get("key") != key:
                 raise ValueError("another format or key")
             value = entry["value"]
@@ -237,7 +238,7 @@ class TraceStore:
         if len(data) > self.limit:
             return
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # the user's own
             fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-", suffix=SUFFIX)
             try:
                 with os.fdopen(fd, "wb") as f:
@@ -303,6 +304,15 @@ class TraceStore:
         entries = self._entries()
         return StoreInfo(self.root, len(entries), sum(size for _, size, _ in entries),
                          self.limit, enabled())
+
+
+def _inflate(data: bytes) -> bytes:
+    """An entry's JSON, refused (``ValueError``) past ``MAX_INFLATED`` bytes."""
+    z = zlib.decompressobj()
+    out = z.decompress(data, MAX_INFLATED)
+    if z.unconsumed_tail or not z.eof:
+        raise ValueError("not a whole entry, or one too large")
+    return out
 
 
 def _remove(p: Path) -> None:
