@@ -5,7 +5,8 @@ list (``_model.spec``, ``_optimizers``, ``_engines``), so optimizers whose kerne
 fake tensors (bitsandbytes) are still exact. Activations and temporaries come from tracing the
 real model code on fake tensors (``activations``); ``phases`` puts them together per phase of
 the step, and ``result`` holds the answer. ``store`` keeps traces (and their allocator replays)
-on disk between processes.
+on disk between processes, keyed by all they depend on (``estimate_memory`` and the planner use
+it by default; ``HF_MEMKIT_NO_CACHE=1`` turns it off).
 """
 
 from __future__ import annotations
@@ -119,8 +120,6 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,
     ``completion_len`` (SFT with ``completion_only_loss`` / ``assistant_only_loss``, DPO): the
     labelled tokens of a row, which alone TRL's head scores on CUDA (``_trainers.fused_head``);
     without it every position is scored (an upper bound).
-    Traces are kept on disk between processes, keyed by all they depend on (``store``; off
-    with ``HF_MEMKIT_NO_CACHE=1``).
     """
     setup = normalize_args(args, source="args", num_gpus=num_gpus, trainer=trainer,
                            ref_model=ref_model)
