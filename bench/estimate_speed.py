@@ -3,6 +3,7 @@
 Setup (issue #3): bf16 AMP, AdamW, seq 4096, micro-batch 1, gradient checkpointing, planned for
 one H100-80GB. Runs in a fresh process so the RSS figures are this estimate's own; the first
 estimate in a process pays one-time costs (imports are excluded from the time, not from RSS).
+Traces kept on disk are off (``HF_MEMKIT_NO_CACHE=1``): every estimate traces.
 
 Bar: <= 5 s and <= 1 GiB peak RSS on this machine (2 cores).
 
@@ -44,7 +45,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     out = subprocess.run([sys.executable, "-c", CHILD.replace("REPEAT", str(a.repeat))],
                          capture_output=True, text=True, check=True,
-                         env=dict(os.environ, TRANSFORMERS_VERBOSITY="error"))
+                         env=dict(os.environ, TRANSFORMERS_VERBOSITY="error",
+                                  HF_MEMKIT_NO_CACHE="1"))  # each estimate traces
     r = json.loads(out.stdout.strip().splitlines()[-1])
     gib = 1024**3
     first, rest = r["times"][0], r["times"][1:]

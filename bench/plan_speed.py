@@ -4,13 +4,15 @@ Bar (DESIGN.md, issue #12): a plan costs at most 5x one estimate of the same mod
 Each case runs in a fresh child process: a warm-up plan (imports, config parsing), then one
 ``estimate_memory`` of the setup that plan chose, then the timed plan. Both timed calls start
 with the same warm process and share no trace cache (``estimate_memory`` builds its own model
-spec; every plan builds its own ``TraceCache``).
+spec; every plan builds its own ``TraceCache``; the traces kept on disk are off:
+``HF_MEMKIT_NO_CACHE=1``, so both trace).
 
     python bench/plan_speed.py
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -46,7 +48,8 @@ def main() -> int:
     worst = 0.0
     for model, gpu, seq, target in CASES:
         out = subprocess.run([sys.executable, "-c", CHILD, model, gpu, str(seq), str(target)],
-                             capture_output=True, text=True, check=True).stdout.strip()
+                             capture_output=True, text=True, check=True,
+                             env=dict(os.environ, HF_MEMKIT_NO_CACHE="1")).stdout.strip()
         plan_s, est_s, label, gib, n, n_est = out.splitlines()[-1].split("|")
         ratio = float(plan_s) / float(est_s)
         worst = max(worst, ratio)

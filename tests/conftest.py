@@ -3,10 +3,13 @@ import by name (the fake GPUs, ``require``, the paths) is in ``tests/helpers.py`
 
 from __future__ import annotations
 
+import atexit
 import ipaddress
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import types
 
 # The suite never touches the network: Hugging Face libraries stay offline (read at import, so
@@ -15,6 +18,14 @@ import types
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# ... and never writes to the user's cache: calibrations and traces go to a folder of the run's
+# own (subprocesses inherit it), and no trace is kept between tests, so a test that needs a
+# fresh trace is never answered from disk; the tests of the trace store turn it on in a folder
+# of their own (tests/unit/estimate/test_trace_store.py).
+_CACHE = tempfile.mkdtemp(prefix="hf_memkit-tests-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+os.environ["HF_MEMKIT_CACHE"] = _CACHE
+os.environ["HF_MEMKIT_NO_CACHE"] = "1"
 
 from tests.helpers import FakeGpu, NetworkAccessError, make_fake_pynvml  # noqa: E402
 

@@ -66,3 +66,34 @@ class EventLog:
     def mark(self, name: str) -> None:
         self.events.append((MARK, name, 0))
         self.where.append((None, False))
+
+    def to_dict(self) -> dict[str, Any]:
+        """What the replay reads (events, where, owner, blocks) as JSON data (the trace store,
+        ``_estimate.store``); the tracer's own state is left out."""
+        return {"events": [list(e) for e in self.events],
+                "where": [[_listed(b), back] for b, back in self.where],
+                "owner": [[h, _listed(b)] for h, b in self.owner.items()],
+                "blocks": self.blocks}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EventLog:
+        """``to_dict`` read back; malformed data raises ``ValueError`` or ``TypeError``."""
+        events = [(str(op), h if op == MARK else int(h), int(n)) for op, h, n in d["events"]]
+        if any(op not in (ALLOC, FREE, MARK) for op, _, _ in events):
+            raise ValueError("unknown event")
+        where = [(_block(b), bool(back)) for b, back in d["where"]]
+        if len(where) != len(events):
+            raise ValueError("events and where differ in length")
+        return cls(events=events, where=where,
+                   owner={int(h): _block(b) for h, b in d["owner"]}, blocks=int(d["blocks"]))
+
+
+def _listed(block: Any) -> Any:
+    return None if block is None else list(block)
+
+
+def _block(b: Any) -> tuple[int, int] | None:
+    if b is None:
+        return None
+    s, i = b
+    return int(s), int(i)

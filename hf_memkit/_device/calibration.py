@@ -152,13 +152,19 @@ def _timestamp(created: str) -> float | None:
 # ----------------------------------------------------------------------------------------------
 
 
-def calibration_dir() -> Path:
-    """``$HF_MEMKIT_CACHE/calibration``, else ``${XDG_CACHE_HOME:-~/.cache}/hf_memkit/calibration``."""
+def cache_root() -> Path:
+    """``$HF_MEMKIT_CACHE``, else ``${XDG_CACHE_HOME:-~/.cache}/hf_memkit``: where calibrations
+    and traces (``_estimate.store``) are kept."""
     root = os.environ.get("HF_MEMKIT_CACHE")
     if root:
-        return Path(root).expanduser() / "calibration"
+        return Path(root).expanduser()
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "hf_memkit" / "calibration"
+    return Path(cache) / "hf_memkit"
+
+
+def calibration_dir() -> Path:
+    """``$HF_MEMKIT_CACHE/calibration``, else ``${XDG_CACHE_HOME:-~/.cache}/hf_memkit/calibration``."""
+    return cache_root() / "calibration"
 
 
 def _slug(text: str | None, missing: str) -> str:

@@ -4,7 +4,9 @@ Model states (weights, gradients, optimizer state) are computed analytically fro
 list (``_model.spec``, ``_optimizers``, ``_engines``), so optimizers whose kernels cannot run on
 fake tensors (bitsandbytes) are still exact. Activations and temporaries come from tracing the
 real model code on fake tensors (``activations``); ``phases`` puts them together per phase of
-the step, and ``result`` holds the answer.
+the step, and ``result`` holds the answer. ``store`` keeps traces (and their allocator replays)
+on disk between processes, keyed by all they depend on (``estimate_memory`` and the planner use
+it by default; ``HF_MEMKIT_NO_CACHE=1`` turns it off).
 """
 
 from __future__ import annotations

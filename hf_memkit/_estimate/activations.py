@@ -22,6 +22,7 @@ from .._model.spec import ModelSpec
 from .._setup.setup import TrainingSetup
 from .._techniques import TECHNIQUES
 from .._trace.step import trace_step
+from . import store
 
 FULL_TRACE_MAX_LAYERS = 4
 EXTRAPOLATE_AT = (2, 3)
@@ -50,6 +51,30 @@ class Excess:
     replayed: dict = field(default_factory=dict, repr=False, compare=False)
     host: int = 0                          # pinned host bytes of a trainer's offloading (TRL)
     cuda_dropout: bool = False             # CUDA targets: CUDA's fused dropout ran
+    # the trace store's name of this trace (``store``; None: not kept on disk), under which
+    # its replays are kept too (``device.allocator_fit``)
+    stored_as: str | None = field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON data (the trace store, ``store``); ``replayed`` (a memo) is left out."""
+        return {"phases": self.phases, "categories": self.categories, "inputs": self.inputs,
+                "seconds": self.seconds, "layers": list(self.layers),
+                "lower_bound": self.lower_bound, "sdpa_kernels": list(self.sdpa_kernels),
+                "replays": [[n, log.to_dict(), list(tr)] for n, log, tr in self.replays],
+                "host": self.host, "cuda_dropout": self.cuda_dropout}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Excess:
+        """``to_dict`` read back; malformed data raises ``ValueError``, ``TypeError`` or
+        ``KeyError``."""
+        return cls({str(k): int(v) for k, v in d["phases"].items()},
+                   {str(p): {str(k): int(v) for k, v in c.items()}
+                    for p, c in d["categories"].items()},
+                   int(d["inputs"]), float(d["seconds"]), tuple(int(n) for n in d["layers"]),
+                   bool(d["lower_bound"]), tuple(str(k) for k in d["sdpa_kernels"]),
+                   tuple((int(n), EventLog.from_dict(log), tuple(int(b) for b in tr))
+                         for n, log, tr in d["replays"]),
+                   host=int(d["host"]), cuda_dropout=bool(d["cuda_dropout"]))
 
 
 def technique_hooks(setup: TrainingSetup) -> list[Any]:
@@ -71,12 +96,62 @@ def trace_excess(spec: ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: 
                  target_len: int | None, padded: bool, forward_only: bool = False,
                  target: CudaTarget | None = None) -> Excess:
     """``stage``: "train", "eval", or "forward_backward" (one forward + backward of the model's
-    own loss, traced as a train micro-step without accumulation)."""
-    full = layer_count(spec.config)
+    own loss, traced as a train micro-step without accumulation).
+
+    Kept on disk between processes (``store``; off with ``HF_MEMKIT_NO_CACHE=1``), keyed by
+    everything the trace depends on (``disk_key``)."""
     batch = setup.eval_batch if stage == "eval" else setup.micro_batch
     accum = 1 if stage == "forward_backward" else setup.grad_accum
     # two micro-steps show everything accumulation changes; the Trainer prefetches all of a
     # step's micro-batches, whose bytes are scaled up below (as TraceCache does)
+    traced = min(accum, 2)
+    # the trace sees only these: a longer accumulation shares its trace
+    shape = setup.replace(micro_batch=batch, eval_batch=batch, grad_accum=traced)
+    kw = dict(seq_len=seq_len, stage=stage, target_len=target_len, padded=padded,
+              forward_only=forward_only, target=target)
+    disk = store.TraceStore() if store.enabled() else None
+    key = disk_key(spec, shape, **kw) if disk is not None else None
+    e = _stored(disk, key)
+    if e is None:
+        e = _trace_excess(spec, shape, **kw)
+        if key is not None:
+            disk.put(key, e.to_dict())
+    if key is not None:
+        e.stored_as = store.digest(key)
+    if stage != "eval" and accum != traced:
+        e = dataclasses.replace(e, inputs=e.inputs // traced * accum)
+    return e
+
+
+def disk_key(spec: ModelSpec, setup: TrainingSetup, **kw: Any) -> str | None:
+    """The trace store's key of ``trace_excess(spec, setup, **kw)`` for a setup whose batch and
+    accumulation are the traced ones: the spec's ``trace_identity()``, the setup's
+    ``trace_key()`` and batch shape, ``kw`` and the library versions (``store.make_key``); None
+    where a part has no stable form."""
+    return store.make_key({"model": spec.trace_identity(), "setup": setup.trace_key(),
+                           "batch": [setup.micro_batch, setup.eval_batch, setup.grad_accum],
+                           **kw})
+
+
+def _stored(disk: store.TraceStore | None, key: str | None) -> Excess | None:
+    if disk is None or key is None:
+        return None
+    d = disk.get(key)
+    if d is None:
+        return None
+    try:
+        return Excess.from_dict(d)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        disk.discard(key)
+        return None
+
+
+def _trace_excess(spec: ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: str,
+                  target_len: int | None, padded: bool, forward_only: bool,
+                  target: CudaTarget | None) -> Excess:
+    full = layer_count(spec.config)
+    batch = setup.eval_batch if stage == "eval" else setup.micro_batch
+    accum = 1 if stage == "forward_backward" else setup.grad_accum
     traced = min(accum, 2)
     # the micro-batch the trainer's collator builds, and the trainer's own loss (_trainers)
     kind, options = setup.trainer_kind, setup.trainer_options
@@ -188,10 +263,10 @@ class TraceCache:
                                    if traced > accum else e2, batch)
         if stage == "train":  # the Trainer prefetches all micro-batches of a step
             keep = [p for p in e.phases if setup.grad_accum > 1 or not p.endswith("_accum")]
-            e = Excess({p: e.phases[p] for p in keep}, {p: e.categories[p] for p in keep},
-                       e.inputs // traced * setup.grad_accum, e.seconds, e.layers,
-                       e.lower_bound, e.sdpa_kernels, e.replays, e.replayed, e.host,
-                       e.cuda_dropout)
+            # replace keeps the replay memo and the trace store's name (``stored_as``)
+            e = dataclasses.replace(e, phases={p: e.phases[p] for p in keep},
+                                    categories={p: e.categories[p] for p in keep},
+                                    inputs=e.inputs // traced * setup.grad_accum)
         return e
 
     def probe(self, spec: ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: str,

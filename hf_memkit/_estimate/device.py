@@ -18,6 +18,7 @@ from .._model.facts import layer_count
 from .._model.spec import ModelSpec
 from .._optimizers import OptimizerMemory
 from .._units import MiB, format_bytes
+from . import store
 from .activations import Excess
 from .allocation import full_depth_events, replay_step
 
@@ -104,28 +105,78 @@ def allocator_fit(ex: Excess, spec: ModelSpec, om: OptimizerMemory,
            device_capacity)
     if key not in ex.replayed:
         full = layer_count(spec.config)
-        if "events" not in ex.replayed:  # the same for every optimizer and stage
-            ex.replayed["events"] = full_depth_events(ex.replays, full)
-        events, how = ex.replayed["events"]
-        params = max(ex.replays, key=lambda r: r[0])[2] if how == "traced" else \
-            tuple(p.nbytes for p in states)
         kw = dict(state_ratio=state, transient_ratio=transient, workspaces=workspaces,
                   optimizer=stage == "train", micro_steps=micro_steps, config=config)
-        s = replay_step(events, params, **kw)
-        on_device = s.peak_reserved
-        if device_capacity is not None and device_capacity < s.peak_reserved:
-            r = replay_step(events, params, capacity=device_capacity, **kw)
-            on_device = r.peak_reserved if not r.ooms else s.peak_reserved
-        memo: list[int] = []
+        run = _Replay(ex, full, tuple(p.nbytes for p in states), kw, device_capacity)
+        ex.replayed[key] = run.stored() or run.replayed()
+    return ex.replayed[key]
 
-        def smallest(events=events, params=params, kw=kw, s=s, memo=memo) -> int:
+
+@dataclass
+class _Replay:
+    """One replay of a traced step, kept on disk beside its trace (``store``) where the trace
+    is: its figures, and the smallest capacity once searched."""
+
+    ex: Excess
+    full: int
+    states: tuple[int, ...]      # bytes of each trainable parameter at full depth
+    kw: dict[str, Any]
+    device_capacity: int | None
+    key: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.ex.stored_as is not None and store.enabled():
+            self.key = store.make_key({"trace": self.ex.stored_as, "full": self.full,
+                                       "states": self.states, "kw": self.kw,
+                                       "device_capacity": self.device_capacity})
+
+    def _events(self) -> tuple[list, tuple[int, ...], str]:
+        if "events" not in self.ex.replayed:  # the same for every optimizer and stage
+            self.ex.replayed["events"] = full_depth_events(self.ex.replays, self.full)
+        events, how = self.ex.replayed["events"]
+        params = max(self.ex.replays, key=lambda r: r[0])[2] if how == "traced" else \
+            self.states
+        return events, params, how
+
+    def replayed(self) -> Replayed:
+        events, params, how = self._events()
+        s = replay_step(events, params, **self.kw)
+        on_device = s.peak_reserved
+        if self.device_capacity is not None and self.device_capacity < s.peak_reserved:
+            r = replay_step(events, params, capacity=self.device_capacity, **self.kw)
+            on_device = r.peak_reserved if not r.ooms else s.peak_reserved
+        return self._result(s.peak_allocated, s.peak_reserved, on_device, how)
+
+    def stored(self) -> Replayed | None:
+        d = store.TraceStore().get(self.key) if self.key is not None else None
+        try:
+            r = self._result(int(d["peak_allocated"]), int(d["peak_reserved"]),
+                             int(d["on_device"]), str(d["how"]), d.get("smallest"), keep=False)
+        except (TypeError, KeyError, ValueError, AttributeError):
+            return None
+        return r
+
+    def _result(self, allocated: int, reserved: int, on_device: int, how: str,
+                smallest: int | None = None, keep: bool = True) -> Replayed:
+        memo: list[int] = [] if smallest is None else [int(smallest)]
+        figures = {"peak_allocated": allocated, "peak_reserved": reserved,
+                   "on_device": on_device, "how": how}
+
+        def search() -> int:
             if not memo:
-                memo.append(smallest_capacity(events, params, s.peak_allocated,
-                                              min(s.peak_reserved, on_device), **kw))
+                events, params, _ = self._events()
+                memo.append(smallest_capacity(events, params, allocated,
+                                              min(reserved, on_device), **self.kw))
+                self._keep({**figures, "smallest": memo[0]})
             return memo[0]
 
-        ex.replayed[key] = Replayed(s.peak_allocated, s.peak_reserved, on_device, how, smallest)
-    return ex.replayed[key]
+        if keep:
+            self._keep(figures)
+        return Replayed(allocated, reserved, on_device, how, search)
+
+    def _keep(self, figures: dict[str, Any]) -> None:
+        if self.key is not None:
+            store.TraceStore().put(self.key, figures)
 
 
 def _band(parts: dict[str, int], runtime: CudaRuntime, frag_at_fit: int,

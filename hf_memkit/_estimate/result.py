@@ -35,7 +35,7 @@ class MemoryEstimate:
                 "engine shards; DeepSpeed ZeRO-3 with its gathered largest module)."})
     host_offloaded: int = field(default=0, metadata={
         "help": "Bytes an offloading engine keeps in host memory for this rank."})
-    trace_seconds: float = field(default=0.0, repr=False)
+    trace_seconds: float = field(default=0.0, repr=False)  # the trace's (read from disk: its own)
     traced_layers: tuple[int, ...] = field(default=(), repr=False)
     lower_bound: bool = field(default=False, repr=False, metadata={
         "help": "True when the planner only bounded this setup from below (it did not fit)."})

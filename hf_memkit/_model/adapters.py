@@ -3,6 +3,7 @@ and the linears bitsandbytes replaces (``quantizable_linears``)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,24 @@ class LoraSpec:
     # the dtype the trainable adapter weights train in; None: what peft gives them (fp32 on a
     # 16-bit base, autocast_adapter_dtype). TRL casts a quantized model's to bf16.
     adapter_dtype: torch.dtype | None = None
+
+
+def lora_identity(lora: LoraSpec | None) -> str | None:
+    """The adapter as text that is the same in every process (the config's sets sorted, unlike
+    its ``repr``): what trace keys hold (``ModelSpec.trace_identity``)."""
+    if lora is None:
+        return None
+    cfg = lora.peft_config
+    d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
+    return json.dumps({"config": d, "quantized_4bit": lora.quantized_4bit,
+                       "compute_dtype": str(lora.compute_dtype),
+                       "adapter_dtype": str(lora.adapter_dtype)}, sort_keys=True, default=_plain)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=str)
+    return repr(value)
 
 
 def cast_adapters(model: torch.nn.Module, dtype: torch.dtype | None) -> None:

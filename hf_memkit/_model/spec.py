@@ -18,7 +18,13 @@ from transformers import PretrainedConfig
 
 from .._errors import HfMemkitError, did_you_mean
 from .._optimizers import ParamInfo
-from .adapters import LoraSpec, adapter_dtype_of, cast_adapters, quantizable_linears
+from .adapters import (
+    LoraSpec,
+    adapter_dtype_of,
+    cast_adapters,
+    lora_identity,
+    quantizable_linears,
+)
 from .facts import ModelFacts, model_facts
 from .profile import build_model, logical_numel, to_config, unwrap_model
 from .tasks import normalize_task, task_of_class
@@ -86,7 +92,8 @@ class ModelSpec:
         and adapters share traces (e.g. pure bf16 and FSDP's 16-bit gathers)."""
         if self._identity is None:
             self._identity = (self.model_cls, self.config.to_json_string(use_diff=False),
-                              self.task, self.dtype, self.attn_implementation, repr(self.lora),
+                              self.task, self.dtype, self.attn_implementation,
+                              lora_identity(self.lora),
                               self.quant_bits)
         return self._identity
 

@@ -8,6 +8,7 @@ import json
 
 from .._errors import HfMemkitError, excerpt, quoted, read_user_file
 from .._model.tasks import task_choices
+from .cache import add_cache_option, apply_cache_option
 
 
 class FieldError(argparse.ArgumentTypeError, HfMemkitError):
@@ -52,6 +53,51 @@ class Field(tuple):
         self = super().__new__(cls, (key, value))
         self.text = text
         return self
+
+
+class RawField(str):
+    """A ``FIELD=VALUE`` as given, its form checked (``field_text``) but not yet typed: the
+    command line is checked before torch and transformers load (``typed_fields`` types it)."""
+
+
+def field_text(text: str) -> RawField:
+    """``FIELD=VALUE``'s form (a field name, ``=``); its value is typed by ``typed_fields``."""
+    key, sep, _ = text.partition("=")
+    if not sep or not key.strip():
+        raise FieldError(f"expected FIELD=VALUE (a TrainingArguments field, e.g. bf16=true or "
+                         f"optim=adafactor), got `{text}`")
+    return RawField(text)
+
+
+def typed_fields(fields: list) -> list:
+    """Each ``RawField`` typed by ``parse_field`` (which imports transformers); a bad value is
+    an ``HfMemkitError`` (exit 2) naming it."""
+    return [parse_field(f) if isinstance(f, RawField) else f for f in fields]
+
+
+def check_input(args: argparse.Namespace, *, model: bool = True) -> None:
+    """What the command line names, checked against the bundled catalogs before torch loads
+    (an unknown model or GPU, a bad --max-memory or --cuda-version is refused in well under a
+    second): ``HfMemkitError``, exit 2. ``model``: check the model name too."""
+    from .._device.probe import get_device
+    from .._model.names import check_model_ref
+    from .._units import parse_bytes
+
+    if model:
+        check_model_ref(args.model)
+    if args.gpu is not None:
+        get_device(args.gpu)
+    for flag in ("max_memory", "host_memory"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            try:
+                parse_bytes(value)
+            except HfMemkitError as exc:
+                raise HfMemkitError(f"--{flag.replace('_', '-')}: {exc}") from None
+    if args.cuda_version is not None:
+        from .._cuda.runtime import parse_cuda_version
+
+        parse_cuda_version(args.cuda_version)
 
 
 def parse_field(text: str) -> tuple[str, object]:
@@ -210,7 +256,7 @@ def estimate_parser(sub) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", help="bundled model name or local directory with config.json")
-    p.add_argument("fields", nargs="*", type=parse_field, metavar="FIELD=VALUE",
+    p.add_argument("fields", nargs="*", type=field_text, metavar="FIELD=VALUE",
                    help="any TrainingArguments field, e.g. bf16=true optim=adafactor (with "
                         "--trainer sft/dpo: any SFTConfig/DPOConfig field, e.g. packing=true)")
     p.add_argument("--gpu", default=None, help="catalog GPU (hf-memkit devices) or 'cpu'; "
@@ -257,6 +303,7 @@ def estimate_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-memory", default=None, metavar="SIZE",
                    help="explicit budget instead of the device's, e.g. 20GiB (as in plan): "
                         "what the verdict (fits) and --max-batch/--max-seq-len use")
+    add_cache_option(p)
     return p
 
 
@@ -327,6 +374,7 @@ def estimate_command(args: argparse.Namespace) -> int:
     from .._estimate import estimate_memory  # torch and transformers: only when a command runs
     from .._views.text import estimate_table, print_tables
 
+    apply_cache_option(args)
     args.trainer = trainer_option(args.trainer)
     fields = trainer_fields(args.fields, args.trainer)
     lengths = read_lengths(args.lengths)
@@ -378,4 +426,4 @@ def estimate_command(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    estimate_parser(sub).set_defaults(func=estimate_command)
+    estimate_parser(sub).set_defaults(func=estimate_command, before_torch=check_input)

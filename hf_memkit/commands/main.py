@@ -11,9 +11,9 @@ import sys
 import warnings
 
 from .._errors import HfMemkitError, TrainingFailed
-from . import calibrate, demo, devices, estimate, plan, probe, recipes, train
+from . import cache, calibrate, demo, devices, estimate, plan, probe, recipes, train
 
-COMMANDS = (devices, probe, calibrate, estimate, plan, train, recipes, demo)
+COMMANDS = (devices, probe, calibrate, estimate, plan, train, recipes, cache, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  hf-memkit plan recipes/llama-3.1/8b_qlora_rtx4090.yaml --json\n"
                "  hf-memkit train recipes/tiny-llama/1m_full_cpu.yaml\n"
                "  hf-memkit recipes validate\n"
+               "  hf-memkit cache info         # traces kept between runs (--no-cache skips)\n"
                "  hf-memkit demo\n"
                "Exit codes: 0 success, 2 bad input (message on stderr), 1 a failed run.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -63,12 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         if not hasattr(args, "fields") or any("=" not in e or e.startswith("-") for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        from .._compat import quiet_notices
-        from .estimate import parse_field
+        from .estimate import field_text
 
         try:
-            with quiet_notices():  # the field types import TrainingArguments (peft, bnb)
-                args.fields = list(args.fields) + [parse_field(e) for e in extra]
+            args.fields = list(args.fields) + [field_text(e) for e in extra]
         except HfMemkitError as exc:
             print(f"hf-memkit {args.command}: error: {exc}", file=sys.stderr)
             return 2
@@ -78,7 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     from .._compat import quiet_notices
 
     try:
+        # what needs no torch is checked first (an unknown model or GPU: refused in < 1 s)
+        if getattr(args, "before_torch", None) is not None:
+            args.before_torch(args)
         with quiet_notices(), _warnings_as_lines(args.command):
+            if hasattr(args, "fields"):  # their types come from TrainingArguments (torch)
+                from .estimate import typed_fields
+
+                args.fields = typed_fields(args.fields)
             return int(args.func(args) or 0)
     except HfMemkitError as exc:
         print(f"hf-memkit {args.command}: error: {exc}", file=sys.stderr)

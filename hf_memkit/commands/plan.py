@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import argparse
+from importlib import resources
 from pathlib import Path
 
 from .._engines import engine_choices
 from .._errors import HfMemkitError
 from .._methods import method_choices
 from .._model.tasks import task_choices
+from .cache import add_cache_option, apply_cache_option
 from .estimate import (
     add_trainer_option,
+    check_input,
+    field_text,
     fraction,
-    parse_field,
     positive_int,
     positive_number,
     read_lengths,
@@ -48,7 +51,7 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("model", metavar="MODEL|RECIPE",
                    help="bundled model name, local directory with config.json, or a recipe "
                         "(.yaml file or bundled recipe name; hf-memkit recipes list)")
-    p.add_argument("fields", nargs="*", metavar="FIELD=VALUE", type=parse_field,
+    p.add_argument("fields", nargs="*", metavar="FIELD=VALUE", type=field_text,
                    help="TrainingArguments fields to pin, e.g. optim=adamw_torch_fused (with "
                         "--trainer sft/dpo: SFTConfig/DPOConfig fields, e.g. packing=true)")
     p.add_argument("--gpu", default=None, help="catalog GPU or 'cpu'; default: this machine "
@@ -91,6 +94,7 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                         "first, then the estimated setups; Plan.from_json reads it")
     p.add_argument("--full", action="store_true",
                    help="with --json: every setup considered, each with its full estimate")
+    add_cache_option(p)
     return p
 
 
@@ -106,10 +110,28 @@ def is_recipe_ref(ref: str) -> bool:
     return root is not None and (root / f"{ref}.yaml").is_file()
 
 
+def check_plan_input(args: argparse.Namespace) -> None:
+    """``estimate.check_input`` before torch loads; a recipe's model is checked as it loads."""
+    check_input(args, model=not _may_be_recipe(args.model))
+
+
+def _may_be_recipe(ref: str) -> bool:
+    """``is_recipe_ref`` without importing the recipe loader (torch): a bundled recipe is looked
+    up in the package data, where ``_recipe.bundled_recipes_dir`` looks first; without that
+    folder, any name may be one (the full check decides)."""
+    if Path(ref).suffix in RECIPE_SUFFIXES:
+        return True
+    if Path(ref).exists():
+        return False
+    root = resources.files("hf_memkit") / "recipes"
+    return not root.is_dir() or (root / f"{ref}.yaml").is_file()
+
+
 def plan_command(args: argparse.Namespace) -> int:
     from .._plan import plan_training  # torch and transformers: only when a command runs
     from .._plan.request import SEARCH_CONSTRAINTS
 
+    apply_cache_option(args)
     args.trainer = trainer_option(args.trainer)
     cli = dict(device=args.gpu, num_gpus=args.num_gpus, seq_len=args.seq_len,
                target_batch_size=args.target_batch, method=args.method,
@@ -161,4 +183,4 @@ def plan_command(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    plan_parser(sub).set_defaults(func=plan_command)
+    plan_parser(sub).set_defaults(func=plan_command, before_torch=check_plan_input)

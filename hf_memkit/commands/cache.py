@@ -1,0 +1,89 @@
+"""``hf-memkit cache``: where traces are kept between runs, how much they hold; clear them.
+
+Also the ``--no-cache`` option of the commands that estimate or plan (``add_cache_option``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+NO_CACHE_HELP = ("trace the model again instead of reading traces kept on disk, and keep none "
+                 "(as HF_MEMKIT_NO_CACHE=1 does; see hf-memkit cache info)")
+
+
+def add_cache_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-cache", action="store_true", help=NO_CACHE_HELP)
+
+
+def apply_cache_option(args: argparse.Namespace) -> None:
+    """``--no-cache``: traces are neither read from nor written to disk in this process (and
+    the processes it starts)."""
+    if getattr(args, "no_cache", False):
+        from .._estimate.store import NO_CACHE_ENV
+
+        os.environ[NO_CACHE_ENV] = "1"
+
+
+def cache_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "cache", help="show or clear the traces kept between runs",
+        description="Estimates and plans keep the traces of the model code on disk, so the "
+                    "same question asked again (or a neighbouring one: another optimizer, "
+                    "accumulation or target batch) is answered without tracing again. They are "
+                    "kept under $HF_MEMKIT_CACHE/traces (else ${XDG_CACHE_HOME:-~/.cache}/"
+                    "hf_memkit/traces), at most HF_MEMKIT_TRACE_CACHE_SIZE (default 512MiB; the "
+                    "least recently used go first). HF_MEMKIT_NO_CACHE=1 or --no-cache on "
+                    "estimate/plan/train turns them off.",
+        epilog="Examples:\n  hf-memkit cache info\n  hf-memkit cache info --json\n"
+               "  hf-memkit cache clear",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    csub = p.add_subparsers(dest="cache_command", metavar="ACTION")
+    info = csub.add_parser("info", help="where the traces are kept, how many, their size",
+                           description="The trace cache's folder, entries, size and limit.",
+                           epilog="Examples:\n  hf-memkit cache info --json",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    info.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    info.set_defaults(func=info_command)
+    clear = csub.add_parser("clear", help="remove every kept trace",
+                            description="Remove every entry of the trace cache (calibrations "
+                                        "are kept).",
+                            epilog="Examples:\n  hf-memkit cache clear",
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    clear.set_defaults(func=clear_command)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+    return p
+
+
+def info_command(args: argparse.Namespace) -> int:
+    from .._estimate.store import TraceStore
+    from .._units import format_bytes
+
+    i = TraceStore().info()
+    d = {"path": str(i.path), "entries": i.entries, "size": i.size, "limit": i.limit,
+         "enabled": i.enabled}
+    if args.json:
+        print(json.dumps(d, indent=2))
+        return 0
+    # plain lines: the path stays whole, to copy
+    print(f"trace cache: {d['path']}\n"
+          f"  entries: {i.entries}\n"
+          f"  size:    {format_bytes(i.size)} of at most {format_bytes(i.limit)} "
+          "(HF_MEMKIT_TRACE_CACHE_SIZE)\n"
+          f"  in use:  {'yes' if i.enabled else 'no (HF_MEMKIT_NO_CACHE is set)'}\n"
+          "  hf-memkit cache clear empties it")
+    return 0
+
+
+def clear_command(args: argparse.Namespace) -> int:
+    from .._estimate.store import TraceStore
+
+    store = TraceStore()
+    n = store.clear()
+    print(f"removed {n} trace{'s' if n != 1 else ''} from {store.root}")
+    return 0
+
+
+def register(sub) -> None:
+    cache_parser(sub)

@@ -1,0 +1,86 @@
+"""Bad command-line input is refused before torch or transformers load (issue 28: an unknown
+model name used to wait ~20 s for the heavy imports and a trace before its error). Each case
+runs in a fresh interpreter, which then reports whether torch or transformers were imported."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+CHILD = """
+import json, sys
+from hf_memkit.commands.main import main
+try:
+    rc = main(ARGV)
+except SystemExit as exc:  # argparse's own errors
+    rc = exc.code
+print(json.dumps([rc, 'torch' in sys.modules, 'transformers' in sys.modules]))
+"""
+PLAN = ["--seq-len", "2048", "--target-batch", "32"]
+
+CASES = {
+    "estimate: unknown model": (["estimate", "Llama-3.1-9B", "--gpu", "RTX-4090", "--seq-len",
+                                 "2048", "bf16=true"],
+                                ["unknown model `Llama-3.1-9B`", "did you mean `Llama-3.1-8B`",
+                                 "bundled configs"]),
+    "plan: unknown model": (["plan", "gpt3", "--gpu", "T4", *PLAN, "optim=adafactor"],
+                            ["unknown model `gpt3`", "`gpt2`"]),
+    "estimate: unknown GPU": (["estimate", "gpt2", "--gpu", "A100-90GB", "--seq-len", "512"],
+                              ["unknown GPU `A100-90GB`", "A100-80GB"]),
+    "plan: unknown GPU": (["plan", "Llama-3.1-8B", "--gpu", "RTX-4091", *PLAN],
+                          ["unknown GPU `RTX-4091`", "RTX-4090"]),
+    "plan recipe: unknown GPU": (["plan", "llama-3.1/8b_qlora_rtx4090", "--gpu", "T5"],
+                                 ["unknown GPU `T5`", "T4"]),
+    "bad --seq-len": (["estimate", "gpt2", "--gpu", "T4", "--seq-len", "0"],
+                      ["--seq-len", "`0`", "positive integer"]),
+    "bad --method": (["plan", "gpt2", "--gpu", "T4", *PLAN, "--method", "lorra"],
+                     ["'lorra'", "lora"]),
+    "bad --max-memory": (["estimate", "gpt2", "--gpu", "T4", "--seq-len", "512",
+                          "--max-memory", "20GBs"],
+                         ["--max-memory", "`20GBs`", "20GiB"]),
+    "bad --host-memory": (["plan", "gpt2", "--gpu", "T4", *PLAN, "--host-memory", "lots"],
+                          ["--host-memory", "`lots`"]),
+    "bad --cuda-version": (["plan", "gpt2", "--gpu", "T4", *PLAN, "--cuda-version", "twelve"],
+                           ["cuda_version", "'twelve'", "12.8"]),
+    "field without a name": (["estimate", "gpt2", "--gpu", "T4", "--seq-len", "512", "=5"],
+                             ["`=5`", "FIELD=VALUE"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_refused_before_torch_loads(case):
+    argv, fragments = CASES[case]
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-c", CHILD.replace("ARGV", repr(argv))],
+                       capture_output=True, text=True, timeout=120)
+    seconds = time.perf_counter() - t0
+    rc, torch_loaded, transformers_loaded = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rc == 2, r.stderr
+    assert not torch_loaded and not transformers_loaded, f"{case}: {r.stderr}"
+    assert "Traceback" not in r.stderr
+    for f in fragments:
+        assert f in r.stderr, f"{case}: missing {f!r} in:\n{r.stderr}"
+    # generous on a loaded machine (the bench measures it: bench/cli_speed.py, < 1 s)
+    assert seconds < 30
+
+
+def test_a_good_name_is_not_refused_by_the_fast_check(tmp_path):
+    """What the fast check lets through: bundled names, hub ids naming them, local config
+    directories and files, and bundled recipe names."""
+    import argparse
+
+    from transformers import LlamaConfig
+
+    from hf_memkit.commands.estimate import check_input
+    from hf_memkit.commands.plan import check_plan_input
+
+    LlamaConfig(num_hidden_layers=2).save_pretrained(tmp_path / "cfg")
+    base = dict(gpu="T4", max_memory=None, host_memory=None, cuda_version=None)
+    for ref in ("gpt2", "meta-llama/Llama-3.1-8B", "llama-3.1-8b", str(tmp_path / "cfg"),
+                str(tmp_path / "cfg" / "config.json")):
+        check_input(argparse.Namespace(model=ref, **base))
+    check_plan_input(argparse.Namespace(model="llama-3.1/8b_qlora_rtx4090", **base))
