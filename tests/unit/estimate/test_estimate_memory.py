@@ -216,7 +216,7 @@ def test_model_type_transformers_cannot_build():
 
 def test_unknown_device_and_model():
     with pytest.raises(mk.HfMemkitError, match="unknown GPU"):
-        est(device="B300")
+        est(device="X9000")
     with pytest.raises(mk.HfMemkitError, match="unknown model"):
         est("not-a-model")
 
