@@ -32,3 +32,10 @@ def did_you_mean(value: str, allowed: Iterable[str]) -> str:
     """`` (did you mean `x`?)`` when a close match exists, else an empty string."""
     close = difflib.get_close_matches(str(value), list(allowed), n=1, cutoff=0.6)
     return f" (did you mean `{close[0]}`?)" if close else ""
+
+
+def excerpt(value: object, limit: int = 60) -> str:
+    """``repr(value)`` as a message quotes it: at most ``limit`` characters (what was read may be
+    a tampered file's megabytes)."""
+    text = repr(getattr(value, "value", value))  # an enum member as the value it stands for
+    return text if len(text) <= limit else text[:limit - 3] + "..."

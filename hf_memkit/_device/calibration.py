@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from .._cuda.runtime import CALIBRATION
-from .._errors import ConfigError, HfMemkitError
+from .._errors import ConfigError, HfMemkitError, excerpt
 from .._units import GiB
 
 logger = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class Calibration:
         if missing:
             raise ConfigError([f"missing field(s): {', '.join(missing)}"], source="calibration")
         if d.get("format", FORMAT) != FORMAT:
-            raise ConfigError([f"format {_short(d.get('format'))} is not {FORMAT}"],
+            raise ConfigError([f"format {excerpt(d.get('format'))} is not {FORMAT}"],
                               source="calibration")
         kw = {n: d[n] for n in names if n in d}
         if isinstance(kw.get("residuals"), list):
@@ -165,41 +165,36 @@ def _problems(c: Calibration) -> list[str]:
     out = []
     for name in ("gpu", "torch"):
         if not isinstance(getattr(c, name), str) or not getattr(c, name):
-            out.append(f"`{name}` must be a non-empty string, got {_short(getattr(c, name))}")
+            out.append(f"`{name}` must be a non-empty string, got {excerpt(getattr(c, name))}")
     for name in ("driver", "cuda"):
         if getattr(c, name) is not None and not isinstance(getattr(c, name), str):
-            out.append(f"`{name}` must be a string or null, got {_short(getattr(c, name))}")
+            out.append(f"`{name}` must be a string or null, got {excerpt(getattr(c, name))}")
     for name in ("context", "context_at_init", "cublas_workspace"):
         v = getattr(c, name)
         if not _is_int(v) or not 0 <= v <= MAX_BYTES:
-            out.append(f"`{name}` must be a non-negative integer of bytes, got {_short(v)} "
+            out.append(f"`{name}` must be a non-negative integer of bytes, got {excerpt(v)} "
                        f"(at most {MAX_BYTES}, 1 TiB: more than any GPU holds)")
     if not _is_number(c.reserved_over_allocated) or c.reserved_over_allocated <= 0:
         out.append("`reserved_over_allocated` must be a positive number, got "
-                   f"{_short(c.reserved_over_allocated)}")
+                   f"{excerpt(c.reserved_over_allocated)}")
     out += _residual_problems(c.residuals)
     if not isinstance(c.created, str):
-        out.append(f"`created` must be an ISO 8601 string, got {_short(c.created)}")
+        out.append(f"`created` must be an ISO 8601 string, got {excerpt(c.created)}")
     elif c.created and _timestamp(c.created) is None:
-        out.append(f"`created` is not an ISO 8601 time: {_short(c.created)}")
+        out.append(f"`created` is not an ISO 8601 time: {excerpt(c.created)}")
     return out
-
-
-def _short(v: Any) -> str:
-    text = repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _residual_problems(residuals: Any) -> list[str]:
     if not isinstance(residuals, tuple) or not all(_is_number(r) for r in residuals):
-        return [f"`residuals` must be a list of finite numbers, got {_short(residuals)}"]
+        return [f"`residuals` must be a list of finite numbers, got {excerpt(residuals)}"]
     if len(residuals) > MAX_RESIDUALS:
         return [f"`residuals` holds {len(residuals)}; a calibration keeps at most "
                 f"{MAX_RESIDUALS}"]
     bad = [r for r in residuals if not RESIDUAL_MIN <= r <= RESIDUAL_MAX]
     if bad:
         return [f"`residuals` must each be measured / predicted - 1, in [{RESIDUAL_MIN:g}, "
-                f"{RESIDUAL_MAX:g}], got {_short(bad[0])}"]
+                f"{RESIDUAL_MAX:g}], got {excerpt(bad[0])}"]
     return []
 
 

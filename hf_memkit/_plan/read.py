@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._device.probe import DeviceInfo
-from .._errors import ConfigError, HfMemkitError, did_you_mean
+from .._errors import ConfigError, HfMemkitError, did_you_mean, excerpt
 from .._estimate import MemoryEstimate
 from .._methods import METHODS
 from .._model.profile import ATTN_IMPLEMENTATIONS
@@ -37,11 +37,6 @@ MODEL_KWARGS = ("attn_implementation", "dtype", "quantization_config")
 POSITIVE = ("seq_len", "target_batch_size", "num_gpus", "num_nodes", "budget")
 MAPPINGS = ("training_args_kwargs", "model_kwargs", "accelerator_kwargs", "parallel")
 LISTS = ("candidates", "notes", "ladder")
-
-
-def _describe(v: Any) -> str:
-    text = repr(v)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _positive_int(v: Any) -> bool:
@@ -102,15 +97,15 @@ def _shape_problems(d: dict[str, Any], fields: dict[str, Any]) -> list[str]:
         out.append(f"missing field(s): {', '.join(missing)}")
     for k in POSITIVE:
         if k in d and not _positive_int(d[k]):
-            out.append(f"{k}: expected a positive integer, got {_describe(d[k])}")
+            out.append(f"{k}: expected a positive integer, got {excerpt(d[k])}")
     for keys, kind, what in ((MAPPINGS, dict, "an object"), (LISTS, list, "a list")):
         for k in keys:
             if k in d and not isinstance(d[k], kind):
-                out.append(f"{k}: expected {what}, got {_describe(d[k])}")
+                out.append(f"{k}: expected {what}, got {excerpt(d[k])}")
     if not isinstance(d.get("method", ""), str):
-        out.append(f"method: expected a string, got {_describe(d['method'])}")
+        out.append(f"method: expected a string, got {excerpt(d['method'])}")
     if d.get("peft_config") is not None and not isinstance(d["peft_config"], dict):
-        out.append(f"peft_config: expected an object or null, got {_describe(d['peft_config'])}")
+        out.append(f"peft_config: expected an object or null, got {excerpt(d['peft_config'])}")
     return out
 
 
@@ -123,7 +118,7 @@ def _candidates(items: list[Any], problems: list[str]) -> list[Candidate]:
     for i, c in enumerate(items):
         key = f"candidates[{i}]"
         if not isinstance(c, dict):
-            problems.append(f"{key}: expected an object, got {_describe(c)}")
+            problems.append(f"{key}: expected an object, got {excerpt(c)}")
             continue
         c, before = dict(c), len(problems)
         bad = [k for k in c if k not in names]
@@ -132,12 +127,12 @@ def _candidates(items: list[Any], problems: list[str]) -> list[Candidate]:
         for k in ("micro_batch", "grad_accum"):
             if not _positive_int(c.get(k)):
                 problems.append(f"{key}.{k}: expected a positive integer, got "
-                                f"{_describe(c.get(k))}")
+                                f"{excerpt(c.get(k))}")
         if c.get("method") not in methods:
             problems.append(f"{key}.method: expected one of {', '.join(methods)}, got "
-                            f"{_describe(c.get('method'))}")
+                            f"{excerpt(c.get('method'))}")
         if not isinstance(c.get("chosen", False), bool):
-            problems.append(f"{key}.chosen: expected true or false, got {_describe(c['chosen'])}")
+            problems.append(f"{key}.chosen: expected true or false, got {excerpt(c['chosen'])}")
         if len(problems) > before:
             continue
         est = c.pop("estimate", None)
@@ -215,15 +210,15 @@ def _model_kwargs(mk: dict[str, Any], problems: list[str]) -> dict[str, Any]:
     dtype = mk.get("dtype")
     if dtype is not None and dtype not in ser.LOAD_DTYPES:
         problems.append(f"model_kwargs.dtype: expected one of {', '.join(ser.LOAD_DTYPES)}, "
-                        f"got {_describe(dtype)}")
+                        f"got {excerpt(dtype)}")
     attn = mk.get("attn_implementation")
     if attn is not None and attn not in ATTN_IMPLEMENTATIONS:
         problems.append(f"model_kwargs.attn_implementation: expected one of "
-                        f"{', '.join(ATTN_IMPLEMENTATIONS)}, got {_describe(attn)}")
+                        f"{', '.join(ATTN_IMPLEMENTATIONS)}, got {excerpt(attn)}")
     quant = mk.get("quantization_config")
     if quant is not None and not isinstance(quant, dict):
         problems.append(f"model_kwargs.quantization_config: expected an object (a "
-                        f"BitsAndBytesConfig's to_dict()), got {_describe(quant)}")
+                        f"BitsAndBytesConfig's to_dict()), got {excerpt(quant)}")
     if problems:
         return {}
     return _built(problems, "model_kwargs", lambda: ser.model_kwargs_from_json(mk)) or {}

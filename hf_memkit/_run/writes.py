@@ -22,18 +22,12 @@ import os
 import tempfile
 from typing import Any
 
-from .._errors import ConfigError, did_you_mean
+from .._errors import ConfigError, did_you_mean, excerpt
 
 # the config fields that configure a push to the Hub (transformers' "Hub Integration" block)
 HUB_FIELDS = ("push_to_hub", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo",
               "hub_always_push", "hub_revision")
 SHOWN_ENTRIES = 5   # a non-empty directory's entries named in the refusal
-
-
-def _short(v: Any) -> str:
-    """A value as a refusal quotes it: its repr, at most 60 characters."""
-    text = repr(getattr(v, "value", v))
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 # -- output_dir ---------------------------------------------------------------------------------
@@ -119,10 +113,10 @@ def check_report_flag(value: Any, *, key: str = "--report-to") -> list[str]:
     known = [*INTEGRATION_TO_CALLBACK, "all", "none"]
     if services is None:
         raise ConfigError([f"{key}: expected service names separated by commas (e.g. wandb or "
-                           f"wandb,tensorboard), got {_short(value)}"], source="command line")
+                           f"wandb,tensorboard), got {excerpt(value)}"], source="command line")
     bad = [s for s in services if s not in known]
     if bad:
-        raise ConfigError([f"{key}: unknown service {_short(s)}{did_you_mean(s, known)}; "
+        raise ConfigError([f"{key}: unknown service {excerpt(s)}{did_you_mean(s, known)}; "
                            f"allowed: {', '.join(known)}" for s in bad], source="command line")
     return services
 
@@ -136,7 +130,7 @@ def outbound_problems(pins: dict[str, Any], *, where: str, push_to_hub: bool,
             v = pins.get(k)
             if v is None or v is False:
                 continue
-            shown = "set" if k == "hub_token" else _short(v)  # a token is never shown
+            shown = "set" if k == "hub_token" else excerpt(v)  # a token is never shown
             what = ("pushes the model to the Hugging Face Hub" if k == "push_to_hub" else
                     "configures a push to the Hugging Face Hub")
             problems.append(f"{where}: pins.{k}: {shown} {what}; `hf-memkit train` pushes only "
@@ -145,14 +139,14 @@ def outbound_problems(pins: dict[str, Any], *, where: str, push_to_hub: bool,
     asked = report_services(pins.get("report_to"))
     if asked is None:
         problems.append(f"{where}: pins.report_to: expected a service name or a list of them "
-                        f"(e.g. [wandb]), got {_short(pins.get('report_to'))}")
+                        f"(e.g. [wandb]), got {excerpt(pins.get('report_to'))}")
     elif "all" not in report_to:
         missing = [s for s in asked if s not in report_to]
         if missing:
             services = "every installed integration" if "all" in missing else ", ".join(missing)
             problems.append(
-                f"{where}: pins.report_to: {_short(pins['report_to'])} reports the run to {services}; "
-                "`hf-memkit train` reports to no service unless told: add --report-to "
+                f"{where}: pins.report_to: {excerpt(pins['report_to'])} reports the run to "
+                f"{services}; `hf-memkit train` reports to no service unless told: add --report-to "
                 f"{','.join([*report_to, *missing])} (train_recipe(..., report_to=[...])), or "
                 "drop the pin")
     return problems
