@@ -26,8 +26,9 @@ $(VENV)/.dev: pyproject.toml constraints.txt $(VENV)/.torch
 	$(PIP) install -q $(CONSTRAINTS) -e ".[dev]"
 	touch $@ $(VENV)/.demo
 
+# --overwrite: the demo's own demo_output, replaced by each run (train refuses a non-empty one)
 demo: $(VENV)/.demo
-	$(VENV)/bin/hf-memkit train recipes/tiny-llama/1m_full_cpu.yaml
+	$(VENV)/bin/hf-memkit train recipes/tiny-llama/1m_full_cpu.yaml --overwrite
 
 # every extra is installed here, so a missing one (or ../shared) fails instead of skipping
 test: $(VENV)/.dev

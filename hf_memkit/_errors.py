@@ -48,8 +48,10 @@ def excerpt(value: object, limit: int = EXCERPT) -> str:
 
 
 def quoted(value: object, limit: int = EXCERPT) -> str:
-    """``repr(value)``, cut like ``excerpt``."""
-    return excerpt(repr(value), limit)
+    """``repr(value)``, cut like ``excerpt`` (an enum member as the value it stands for)."""
+    import enum
+
+    return excerpt(repr(value.value if isinstance(value, enum.Enum) else value), limit)
 
 
 def read_user_file(path: str | os.PathLike, *, what: str, cap: int,

@@ -9,7 +9,16 @@ CUDA GPU)
 The store: one JSON file per (GPU, driver, torch, CUDA) under ``calibration_dir()``
 (``$HF_MEMKIT_CACHE/calibration``, else ``${XDG_CACHE_HOME:-~/.cache}/hf_memkit/calibration``),
 named by ``calibration_key``, written atomically (a temporary file, then ``os.replace``). Bytes
-throughout. A file that does not parse raises ``HfMemkitError`` naming it.
+throughout. What the store reads is checked as ``hf-memkit calibrate`` writes it: regular files
+of at most ``MAX_FILE_BYTES`` only (a FIFO or ``/dev/zero`` in its place is refused without a
+read), byte counts in [0, ``MAX_BYTES``], residuals in [``RESIDUAL_MIN``, ``RESIDUAL_MAX``].
+``load_calibration(path)`` (a file the caller names) raises ``HfMemkitError`` naming the file
+and what is wrong; ``find_calibration`` (what estimates call) skips such a file with a warning
+saying how to remove it, so a broken cache file never stops an estimate: it falls back to the
+uncalibrated band.
+
+The band of a calibrated estimate is ``Calibration.rel_sigma``: never narrower than the
+residuals support (``band_factor``), never below ``SIGMA_FLOOR``.
 
 NVML figures are device-wide (``nvmlDeviceGetMemoryInfo(handle).used``, what ``nvidia-smi``
 shows): ``context`` is NVML used minus the allocator's reserved bytes, so that
@@ -26,13 +35,17 @@ import logging
 import math
 import os
 import re
+import stat
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .._errors import ConfigError, HfMemkitError
+from .._cuda.runtime import CALIBRATION
+from .._errors import ConfigError, HfMemkitError, quoted
+from .._units import GiB
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +53,17 @@ MAX_RESIDUALS = 50      # residuals kept per calibration, newest last
 MIN_RESIDUALS = 3       # fewer give no rel_sigma
 FORMAT = 1              # the JSON layout's version
 RERUN = "delete it and re-run `hf-memkit calibrate`"
+# What a calibration file may hold. A file holds a few hundred bytes plus ~20 per residual; the
+# byte counts are parts of one GPU's memory (the largest today: 288 GB); a residual is
+# measured / predicted - 1 of device_used, so at least -1 (nothing measured) and, at 10, an
+# estimate eleven times too low: a broken measurement, not a spread to widen the band with.
+MAX_FILE_BYTES = 64 * 1024
+MAX_BYTES = 1024 * GiB
+RESIDUAL_MIN, RESIDUAL_MAX = -1.0, 10.0
+# The calibrated band's relative 1-sigma never goes below the traced step's own (CPU-measured)
+# 1-sigma: a GPU's residuals on its reference model do not make another model's trace exact.
+SIGMA_FLOOR = CALIBRATION.traced_cpu_sigma
+SIGMA_CONFIDENCE_Z = 1.6449   # the band's one-sided confidence: 95%
 
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
@@ -75,11 +99,21 @@ class Calibration:
             raise ConfigError(problems, source="Calibration")
 
     @property
-    def rel_sigma(self) -> float | None:
-        """RMS of the residuals (a relative 1-sigma of device_used) once there are enough."""
+    def residual_rms(self) -> float | None:
+        """RMS of the residuals once there are ``MIN_RESIDUALS`` (None before)."""
         if len(self.residuals) < MIN_RESIDUALS:
             return None
         return math.sqrt(sum(r * r for r in self.residuals) / len(self.residuals))
+
+    @property
+    def rel_sigma(self) -> float | None:
+        """The band's relative 1-sigma of device_used once there are ``MIN_RESIDUALS``
+        residuals: their RMS widened to what they support (``band_factor``), never below
+        ``SIGMA_FLOOR``."""
+        rms = self.residual_rms
+        if rms is None:
+            return None
+        return max(SIGMA_FLOOR, rms * band_factor(len(self.residuals)))
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "path"}
@@ -99,12 +133,24 @@ class Calibration:
         if missing:
             raise ConfigError([f"missing field(s): {', '.join(missing)}"], source="calibration")
         if d.get("format", FORMAT) != FORMAT:
-            raise ConfigError([f"format {d.get('format')!r} is not {FORMAT}"],
+            raise ConfigError([f"format {quoted(d.get('format'))} is not {FORMAT}"],
                               source="calibration")
         kw = {n: d[n] for n in names if n in d}
         if isinstance(kw.get("residuals"), list):
             kw["residuals"] = tuple(kw["residuals"])
         return cls(**kw)
+
+
+def band_factor(n: int) -> float:
+    """How far the RMS of ``n`` residuals is widened for the band: sqrt(n / chi2_0.05(n)), the
+    one-sided 95% upper confidence bound of sigma when n errors about zero (n degrees of freedom)
+    give that RMS. 2.9 at n = 3 (what ``hf-memkit calibrate --check`` leaves), 1.6 at 10, 1.2 at
+    50. The chi-square quantile is Wilson and Hilferty's approximation, n (1 - 2/(9n) - z
+    sqrt(2/(9n)))^3, a little low at small n: the factor is 3.5% wide of the exact one at n = 3,
+    0.1% at n = 10."""
+    k = 2.0 / (9.0 * n)
+    quantile = n * (1.0 - k - SIGMA_CONFIDENCE_Z * math.sqrt(k)) ** 3
+    return math.sqrt(n / quantile)
 
 
 def _is_int(v: Any) -> bool:
@@ -119,24 +165,37 @@ def _problems(c: Calibration) -> list[str]:
     out = []
     for name in ("gpu", "torch"):
         if not isinstance(getattr(c, name), str) or not getattr(c, name):
-            out.append(f"`{name}` must be a non-empty string, got {getattr(c, name)!r}")
+            out.append(f"`{name}` must be a non-empty string, got {quoted(getattr(c, name))}")
     for name in ("driver", "cuda"):
         if getattr(c, name) is not None and not isinstance(getattr(c, name), str):
-            out.append(f"`{name}` must be a string or null, got {getattr(c, name)!r}")
+            out.append(f"`{name}` must be a string or null, got {quoted(getattr(c, name))}")
     for name in ("context", "context_at_init", "cublas_workspace"):
         v = getattr(c, name)
-        if not _is_int(v) or v < 0:
-            out.append(f"`{name}` must be a non-negative integer of bytes, got {v!r}")
+        if not _is_int(v) or not 0 <= v <= MAX_BYTES:
+            out.append(f"`{name}` must be a non-negative integer of bytes, got {quoted(v)} "
+                       f"(at most {MAX_BYTES}, 1 TiB: more than any GPU holds)")
     if not _is_number(c.reserved_over_allocated) or c.reserved_over_allocated <= 0:
         out.append("`reserved_over_allocated` must be a positive number, got "
-                   f"{c.reserved_over_allocated!r}")
-    if not isinstance(c.residuals, tuple) or not all(_is_number(r) for r in c.residuals):
-        out.append(f"`residuals` must be a list of finite numbers, got {c.residuals!r}")
+                   f"{quoted(c.reserved_over_allocated)}")
+    out += _residual_problems(c.residuals)
     if not isinstance(c.created, str):
-        out.append(f"`created` must be an ISO 8601 string, got {c.created!r}")
+        out.append(f"`created` must be an ISO 8601 string, got {quoted(c.created)}")
     elif c.created and _timestamp(c.created) is None:
-        out.append(f"`created` is not an ISO 8601 time: {c.created!r}")
+        out.append(f"`created` is not an ISO 8601 time: {quoted(c.created)}")
     return out
+
+
+def _residual_problems(residuals: Any) -> list[str]:
+    if not isinstance(residuals, tuple) or not all(_is_number(r) for r in residuals):
+        return [f"`residuals` must be a list of finite numbers, got {quoted(residuals)}"]
+    if len(residuals) > MAX_RESIDUALS:
+        return [f"`residuals` holds {len(residuals)}; a calibration keeps at most "
+                f"{MAX_RESIDUALS}"]
+    bad = [r for r in residuals if not RESIDUAL_MIN <= r <= RESIDUAL_MAX]
+    if bad:
+        return [f"`residuals` must each be measured / predicted - 1, in [{RESIDUAL_MIN:g}, "
+                f"{RESIDUAL_MAX:g}], got {quoted(bad[0])}"]
+    return []
 
 
 def _timestamp(created: str) -> float | None:
@@ -188,10 +247,18 @@ def save_calibration(cal: Calibration) -> Path:
         cal = dataclasses.replace(cal, created=datetime.now(timezone.utc).isoformat(
             timespec="seconds"))
     folder = calibration_dir()
-    folder.mkdir(parents=True, exist_ok=True)
     key = calibration_key(cal.gpu, cal.driver, cal.torch, cal.cuda)
     path = folder / f"{key}.json"
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{key}.", suffix=".tmp")
+    if path.exists() and not path.is_file():
+        raise HfMemkitError(f"calibration file `{path}` is not a regular file; remove it "
+                            "and re-run `hf-memkit calibrate`")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{key}.", suffix=".tmp")
+    except OSError as exc:
+        why = exc.strerror or exc
+        raise HfMemkitError(f"cannot write the calibration store `{folder}` ({why}); set "
+                            "HF_MEMKIT_CACHE to a directory you can write to") from None
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(cal.to_dict(), f, indent=2)
@@ -205,13 +272,48 @@ def save_calibration(cal: Calibration) -> Path:
 
 
 def load_calibration(path: str | os.PathLike) -> Calibration:
-    """One stored calibration; ``HfMemkitError`` naming the file when it is corrupt."""
+    """One stored calibration; ``HfMemkitError`` naming the file when it is not a regular file,
+    cannot be read, is larger than ``MAX_FILE_BYTES`` or holds what ``calibrate`` never writes."""
     path = Path(path)
+    text = _read_small_file(path)
     try:
-        cal = Calibration.from_dict(json.loads(path.read_text()))
-    except (ValueError, TypeError, UnicodeDecodeError) as exc:  # JSONDecodeError, ConfigError
+        cal = Calibration.from_dict(json.loads(text))
+    except (ValueError, TypeError, RecursionError) as exc:  # JSONDecodeError, ConfigError
         raise HfMemkitError(f"calibration file `{path}` is corrupt ({exc}); {RERUN}") from exc
     return dataclasses.replace(cal, path=path)
+
+
+def _read_small_file(path: Path) -> str:
+    """The text of ``path``: opened without blocking (a FIFO is refused, never waited on), a
+    regular file only, at most ``MAX_FILE_BYTES`` read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise HfMemkitError(f"calibration file `{path}` cannot be read ({exc.strerror or exc}); "
+                            f"{RERUN}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise HfMemkitError(f"calibration file `{path}` is not a regular file (a "
+                                f"directory, FIFO or device); {RERUN}")
+        data = b""
+        while len(data) <= MAX_FILE_BYTES:
+            chunk = os.read(fd, MAX_FILE_BYTES + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    except OSError as exc:
+        raise HfMemkitError(f"calibration file `{path}` cannot be read "
+                            f"({exc.strerror or exc}); {RERUN}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_FILE_BYTES:
+        raise HfMemkitError(f"calibration file `{path}` is larger than {MAX_FILE_BYTES} bytes "
+                            f"(a calibration holds about 2 KiB); {RERUN}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HfMemkitError(f"calibration file `{path}` is not UTF-8 text ({exc.reason} at "
+                            f"byte {exc.start}); {RERUN}") from None
 
 
 def find_calibration(gpu: str, cuda: str | None, *, driver: str | None = None,
@@ -220,14 +322,20 @@ def find_calibration(gpu: str, cuda: str | None, *, driver: str | None = None,
     and of ``driver`` / ``torch_version`` when given; None when there is none.
 
     The file it came from is ``result.path``. Only files named for this GPU and CUDA are read;
-    a corrupt one raises ``HfMemkitError`` naming it.
+    one that ``load_calibration`` refuses is skipped with a warning naming it and how to remove
+    it (a broken cache file never stops an estimate).
     """
     folder = calibration_dir()
     if not folder.is_dir():
         return None
     found = []
     for p in sorted(folder.glob(_prefix(gpu, cuda) + "*.json")):
-        cal = load_calibration(p)
+        try:
+            cal = load_calibration(p)
+        except HfMemkitError as exc:
+            warnings.warn(f"{exc} (ignored: until then, estimates for {gpu} use the "
+                          "uncalibrated band)", UserWarning, stacklevel=2)
+            continue
         if (cal.gpu.casefold() != gpu.casefold() or cal.cuda != cuda
                 or (driver is not None and cal.driver != driver)
                 or (torch_version is not None and cal.torch != torch_version)):

@@ -12,7 +12,7 @@ from typing import Any
 
 from .._cuda.allocator import AllocatorConfig
 from .._cuda.runtime import CALIBRATION, CudaRuntime, cublas_workspace, nccl_buffers
-from .._device.calibration import Calibration, find_calibration
+from .._device.calibration import SIGMA_FLOOR, Calibration, find_calibration
 from .._device.probe import DeviceInfo
 from .._model.facts import layer_count
 from .._model.spec import ModelSpec
@@ -293,7 +293,10 @@ def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: Optimize
              f"CUDA {runtime.version}: context {format_bytes(cal.context)} and cuBLAS "
              f"workspaces measured on this GPU (calibration {cal.path})"]
     if cal is not None and cal.rel_sigma is not None:
-        notes.append(f"uncertainty from {len(cal.residuals)} measured residuals of this GPU")
+        notes.append(f"uncertainty from {len(cal.residuals)} measured residuals of this GPU: "
+                     f"1 sigma {cal.rel_sigma:.1%} of device_used (their RMS "
+                     f"{cal.residual_rms:.1%} widened to what {len(cal.residuals)} residuals "
+                     f"support, at least {SIGMA_FLOOR:.1%})")
     else:
         notes.append(_margin_note(margin, emulated))
     notes += _allocator_notes(fit, dev, required, allocated)

@@ -27,6 +27,8 @@ _ATTN_FLAGS = {  # class attribute -> attn_implementation value (transformers 5 
     "_supports_flash_attn": "flash_attention_2",
     "_supports_flex_attn": "flex_attention",
 }
+# every kernel a plan may name (``Plan.model_kwargs['attn_implementation']``)
+ATTN_IMPLEMENTATIONS = ("eager", *_ATTN_FLAGS.values())
 
 
 @dataclass

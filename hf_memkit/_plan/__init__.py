@@ -3,7 +3,8 @@
 Data flow: ``PlanRequest`` (validated once) -> ``space`` (candidates: method x rung x precision
 x optimizer x searched techniques x micro-batch) -> ``cost`` (relative time per sample) ->
 ``search`` (lower bounds, then exact estimates, in ladder order) -> ``emit`` (TrainingArguments,
-model and accelerate kwargs) -> ``result.Plan``. ``reverse`` answers "how large can it be?".
+model and accelerate kwargs) -> ``result.Plan``. ``reverse`` answers "how large can it be?";
+``read`` checks a plan read back from JSON (``Plan.from_json``).
 
 With ``method="auto"`` full fine-tuning wins whenever some full setup fits (LoRA changes what is
 trained, so it is a fallback, never a speed trick).

@@ -21,6 +21,7 @@ from .._setup.fields import training_args_fields
 from .._techniques import TECHNIQUES
 from .._techniques.checkpointing import NAME as CHECKPOINTING
 from .._units import format_bytes
+from . import read
 from . import serialize as ser
 from .space import Candidate
 
@@ -98,7 +99,9 @@ class Plan:
         """``args`` (``TrainingArguments`` or a subclass: ``SFTConfig``, ``DPOConfig``, your
         own) with the plan's fields set and every other field kept, as the same class. A planned
         field that ``args`` had set to another value than its class default is replaced, with a
-        warning naming both values (pin it in ``plan_training`` to keep yours)."""
+        warning naming both values (pin it in ``plan_training`` to keep yours). ``args`` itself
+        is left as it was (``with_fields``: no ``__init__`` of a subclass is called, fields with
+        ``init=False`` and other attributes are kept)."""
         import dataclasses
 
         from transformers import TrainingArguments
@@ -123,7 +126,7 @@ class Plan:
                     f"apply_to: {cls.__name__}.{k}={_plain(mine)!r} is replaced by the plan's "
                     f"{_plain(v)!r}; to keep yours, plan with it pinned "
                     f"(plan_training(..., {k}={_plain(mine)!r}))", stacklevel=2)
-        return self._build(lambda: dataclasses.replace(args, **planned), cls.__name__)
+        return self._build(lambda: with_fields(args, planned), cls.__name__)
 
     def _build(self, make: Any, what: str) -> Any:
         """``make()``, with transformers' refusal of the plan on this machine in our words."""
@@ -252,30 +255,45 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
-        cands = []
-        for c in d["candidates"]:
-            c = dict(c)
-            est = c.pop("estimate", None)
-            c["techniques"] = tuple(c.get("techniques", ()))
-            cand = Candidate(**c)
-            if est is not None:
-                cand.estimate = MemoryEstimate.from_dict(est)
-            cands.append(cand)
-        return cls(
-            device=DeviceInfo.from_dict(d["device"]),
-            model_name=ser.model_ref_from_json(d["model_name"]),
-            seq_len=d["seq_len"], target_batch_size=d["target_batch_size"],
-            num_gpus=d["num_gpus"], method=d["method"], budget=d["budget"],
-            training_args_kwargs=dict(d["training_args_kwargs"]),
-            model_kwargs=ser.model_kwargs_from_json(d["model_kwargs"]),
-            peft_config=ser.peft_from_dict(d["peft_config"]),
-            accelerator_kwargs=dict(d["accelerator_kwargs"]), candidates=cands,
-            notes=list(d.get("notes", [])), num_nodes=d.get("num_nodes", 1),
-            parallel=dict(d.get("parallel", {})), _ladder=list(d.get("ladder", [])))
+        """Inverse of ``to_dict`` (either form). What it reads is checked as ``plan_training``
+        would have made it (``_plan.read``): one ``ConfigError`` names every bad field."""
+        return cls(**read.plan_kwargs(d, cls))
 
     @classmethod
-    def from_json(cls, text: str) -> Plan:
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str | bytes) -> Plan:
+        """``from_dict`` of a plan's JSON (``to_json``)."""
+        try:
+            d = json.loads(text)
+        except (ValueError, TypeError) as exc:  # JSONDecodeError, a str that is not UTF-8
+            raise HfMemkitError(f"the plan JSON does not parse ({str(exc)[:200]}); "
+                                f"{read.REMAKE}") from None
+        return cls.from_dict(d)
+
+
+def with_fields(args: Any, values: dict[str, Any]) -> Any:
+    """A copy of ``args`` (a ``TrainingArguments`` instance) with ``values`` set, re-derived as
+    construction derives it: the class's ``__post_init__`` runs again on the copy (it converts
+    and checks the fields, sets the mixed precision, the devices, the DeepSpeed and FSDP
+    plugins; transformers writes it to be re-run, and ``to_dict()`` rebuilds rely on that).
+
+    Not ``dataclasses.replace``: it calls ``__init__``, which a subclass may have written with
+    another signature (a ``TypeError``), and it resets ``init=False`` fields and any attribute
+    the user's own ``__init__`` set. The copy keeps them all; cached properties (the device
+    ``_setup_devices`` found for the old fields) are dropped so they are found again."""
+    import copy
+    from functools import cached_property
+
+    new = copy.copy(args)
+    for klass in type(args).__mro__:
+        for name, attr in vars(klass).items():
+            if isinstance(attr, cached_property):
+                new.__dict__.pop(attr.attrname or name, None)
+    for k, v in values.items():
+        setattr(new, k, v)
+    post_init = getattr(new, "__post_init__", None)
+    if post_init is not None:
+        post_init()
+    return new
 
 
 def _plain(v: Any) -> Any:
@@ -292,14 +310,21 @@ def _same(a: Any, b: Any) -> bool:
 
 def _defaults_of(cls: type, args: Any) -> dict[str, Any]:
     """Each field's value in ``cls`` built with nothing set (after ``__post_init__``, which fills
-    some defaults in), else the field defaults."""
+    some defaults in). A class that needs more than ``output_dir`` (its own ``__init__``): its
+    nearest dataclass ancestor built so, and the field defaults for the fields it adds."""
     import dataclasses
 
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            fresh = cls(output_dir=args.output_dir)
-        return {f.name: getattr(fresh, f.name) for f in dataclasses.fields(cls) if f.init}
-    except Exception:  # a class that needs more than output_dir
-        return {f.name: f.default for f in dataclasses.fields(cls)
-                if f.init and f.default is not dataclasses.MISSING}
+    fresh = None
+    for klass in (k for k in cls.__mro__ if dataclasses.is_dataclass(k)):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                fresh = klass(output_dir=args.output_dir)
+            break
+        except Exception:  # a class that needs more than output_dir: try its parent
+            continue
+    out = {f.name: f.default for f in dataclasses.fields(cls)
+           if f.init and f.default is not dataclasses.MISSING}
+    out.update({f.name: getattr(fresh, f.name) for f in dataclasses.fields(cls)
+                if f.init and hasattr(fresh, f.name)} if fresh is not None else {})
+    return out

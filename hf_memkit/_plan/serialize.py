@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from .._errors import HfMemkitError
+
 
 def model_ref_to_json(ref: Any) -> Any:
     if isinstance(ref, str):
@@ -36,10 +38,20 @@ def model_kwargs_to_json(mk: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# the load dtypes a plan writes (``model_kwargs['dtype']``), and what each reads back as: never
+# ``getattr(torch, name)`` on what a file says
+LOAD_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+               "auto": "auto"}
+
+
 def model_kwargs_from_json(d: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of ``model_kwargs_to_json`` (``_plan.read`` checks the keys and values first)."""
     out = dict(d)
-    if isinstance(out.get("dtype"), str):
-        out["dtype"] = getattr(torch, out["dtype"])
+    if out.get("dtype") is not None:
+        if out["dtype"] not in LOAD_DTYPES:
+            raise HfMemkitError(f"model_kwargs.dtype: expected one of {', '.join(LOAD_DTYPES)}, "
+                                f"got {out['dtype']!r}")
+        out["dtype"] = LOAD_DTYPES[out["dtype"]]
     if out.get("quantization_config"):
         from transformers import BitsAndBytesConfig
 

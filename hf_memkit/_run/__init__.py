@@ -3,7 +3,9 @@
 * ``train``: ``Recipe`` -> ``Plan`` -> model -> the trainer its registry entry builds
   (``TrainerKind.build``) + callbacks -> ``TrainResult``;
 * ``data``: the recipe's rows (synthetic, text or JSONL) and its tokenizer;
-* ``stop``: a run stopped by Ctrl-C or an error keeps what exists;
+* ``writes``: where a run may write (its output directory; the Hub and reporting services only
+  when the command line says so), checked before the plan;
+* ``stop``: a run stopped by Ctrl-C, SIGTERM or an error keeps what exists;
 * ``demo``: the README's end-to-end slice;
 * ``synthetic``: synthetic data and tiny models (the demo, tests and benchmarks train on them).
 

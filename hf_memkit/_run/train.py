@@ -28,6 +28,7 @@ from .._compat import no_progress_bars
 from .._errors import ConfigError, HfMemkitError, TrainingFailed  # noqa: F401  (re-exported)
 from .._recipe import Recipe
 from .._trainers import TRAINERS
+from . import writes
 from .data import build_dataset, load_tokenizer
 from .stop import (  # noqa: F401  (TrainingInterrupted: re-exported)
     TrainingInterrupted,
@@ -191,8 +192,9 @@ def _progress_callback(console: Any):
         def on_train_begin(self, args, state, control, **kwargs):
             if not state.is_world_process_zero:
                 return
-            console.print(f"training {state.max_steps} steps; Ctrl-C stops early and keeps the "
-                          f"model and memory report in {args.output_dir}", soft_wrap=True)
+            console.print(f"training {state.max_steps} steps; Ctrl-C (or SIGTERM) stops early "
+                          f"and keeps the model and memory report in {args.output_dir}",
+                          soft_wrap=True)
             self.progress = Progress(TextColumn("[bold]training"), BarColumn(),
                                      MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
                                      TimeElapsedColumn(), TimeRemainingColumn(),
@@ -227,13 +229,38 @@ def plan_recipe(recipe: Recipe, **overrides: Any):
     return plan_training(**recipe.plan_kwargs(**overrides))
 
 
+def check_run_writes(recipe: Recipe, *, output_dir: str | None = None, overwrite: bool = False,
+                     push_to_hub: bool = False, report_to: Any = None) -> dict[str, Any]:
+    """Where the run writes (``_run.writes``), checked before any heavy work: the output
+    directory (``output_dir``, else the recipe's, else ``outputs/<recipe name>``) and the pins
+    that push to the Hub or report to a service against ``push_to_hub`` / ``report_to``. Returns
+    the trainer config's ``output_dir``, ``push_to_hub`` and ``report_to``; ``ConfigError``
+    (exit 2) lists every problem."""
+    where = recipe.source or "recipe"
+    services = writes.check_report_flag(report_to, key="report_to") if report_to else []
+    out, key = ((output_dir, "--output-dir") if output_dir else
+                (recipe.output_dir, f"{where}: output_dir") if recipe.output_dir else
+                (os.path.join("outputs", recipe.name), f"{where}: output_dir (default)"))
+    problems = writes.output_dir_problems(out, key=key, overwrite=overwrite)
+    problems += writes.outbound_problems(recipe.pins, where=where, push_to_hub=push_to_hub,
+                                         report_to=services)
+    if problems:
+        raise ConfigError(problems, source=where)
+    return {"output_dir": os.path.expanduser(out),
+            **writes.outbound_args(push_to_hub=push_to_hub, report_to=services)}
+
+
 def train_recipe(recipe: Recipe, *, plan: Any = None, output_dir: str | None = None,
                  max_steps: int | None = None, pins: dict[str, Any] | None = None,
-                 progress_console: Any = None) -> TrainResult:
+                 progress_console: Any = None, overwrite: bool = False,
+                 push_to_hub: bool = False, report_to: Any = None) -> TrainResult:
     """Plan (unless ``plan`` is given), build, prepare and train ``recipe``; return what happened.
 
     ``output_dir`` / ``max_steps`` / ``pins`` override the recipe. ``progress_console``: a rich
-    ``Console`` for a progress bar (None: no bar)."""
+    ``Console`` for a progress bar (None: no bar). ``overwrite``: train into a directory that is
+    not empty. ``push_to_hub`` / ``report_to`` (service names, e.g. ``["wandb"]``): the only way
+    the run pushes to the Hub or reports to a service; pins asking for either without them are
+    refused (``check_run_writes``)."""
     from transformers import PrinterCallback, ProgressCallback
 
     from .._callbacks import MemoryCallback, ThroughputCallback
@@ -247,25 +274,19 @@ def train_recipe(recipe: Recipe, *, plan: Any = None, output_dir: str | None = N
     if max_steps is not None:
         recipe = with_max_steps(recipe, max_steps)
     check_trainable_here(recipe)
+    outputs = check_run_writes(recipe, output_dir=output_dir, overwrite=overwrite,
+                               push_to_hub=push_to_hub, report_to=report_to)
     if plan is None:
         plan = plan_recipe(recipe)
     config = recipe.model_config()
     task = normalize_task(recipe.task, config)
     check_trainer_runs(recipe, task)
-    out = output_dir or recipe.output_dir or os.path.join("outputs", recipe.name)
+    out = outputs["output_dir"]
     steps = recipe.pins.get("max_steps", -1)
     n = recipe.num_samples or (steps * recipe.target_batch_size if steps and steps > 0 else 256)
     tokenizer = None if recipe.is_synthetic else load_tokenizer(recipe)
     data, collator = build_dataset(recipe, config, task, num_samples=n, tokenizer=tokenizer)
-
-    extra: dict[str, Any] = {"disable_tqdm": True}
-    if "logging_steps" not in recipe.pins and steps and steps > 0:
-        extra["logging_steps"] = max(1, min(500, steps // 10))
-    try:
-        args = plan.to_training_args(output_dir=out, **extra)
-    except (ValueError, TypeError) as exc:  # TrainingArguments rejects a pinned combination
-        raise ConfigError([f"{where}: pins: TrainingArguments rejects them: {exc}"],
-                          source=where) from None
+    args = run_args(recipe, plan, outputs)
     try:
         model = plan.prepare(build_model(recipe, plan, task))
     except HfMemkitError:
@@ -305,6 +326,26 @@ def train_recipe(recipe: Recipe, *, plan: Any = None, output_dir: str | None = N
         timeline=list(memory.timeline) if memory else [],
         samples_per_second=sps[-1] if sps else None,
         oom_recoveries=len(getattr(trainer, "oom_recoveries", []) or []))
+
+
+def run_args(recipe: Recipe, plan: Any, outputs: dict[str, Any]) -> Any:
+    """The trainer's config: the plan's arguments with ``outputs`` (``check_run_writes``: the
+    output directory, ``push_to_hub`` and ``report_to`` exactly as the command line set them),
+    no tqdm bar, and memory logs about ten times a run unless ``logging_steps`` is pinned."""
+    where = recipe.source or "recipe"
+    steps = recipe.pins.get("max_steps", -1)
+    extra: dict[str, Any] = {"disable_tqdm": True, **outputs}
+    if "logging_steps" not in recipe.pins and steps and steps > 0:
+        extra["logging_steps"] = max(1, min(500, steps // 10))
+    try:
+        args = plan.to_training_args(**extra)
+    except (ValueError, TypeError) as exc:  # TrainingArguments rejects a pinned combination
+        raise ConfigError([f"{where}: pins: TrainingArguments rejects them: {exc}"],
+                          source=where) from None
+    reported = [] if outputs["report_to"] == "none" else outputs["report_to"]
+    if "all" not in reported:   # inside a Kubeflow TrainJob transformers adds its own reporter
+        args.report_to = list(reported)
+    return args
 
 
 def with_max_steps(recipe: Recipe, max_steps: int) -> Recipe:

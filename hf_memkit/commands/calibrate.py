@@ -285,14 +285,15 @@ def calibration_table(cal: Calibration) -> Table:
     t = Table(title=f"Calibration of {cal.gpu}", show_header=False)
     t.add_column("field", style="bold")
     t.add_column("value")
-    sigma = cal.rel_sigma
+    rms, sigma = cal.residual_rms, cal.rel_sigma
     for k, v in (("driver / torch / CUDA", f"{cal.driver or '-'} / {cal.torch} / {cal.cuda or '-'}"),
                  ("context at CUDA init", format_bytes(cal.context_at_init)),
                  ("context after a training step", format_bytes(cal.context)),
                  ("cuBLAS workspaces", format_bytes(cal.cublas_workspace)),
                  ("reserved / allocated", f"{cal.reserved_over_allocated:.3f}"),
                  ("residuals of device_used", f"{len(cal.residuals)}"
-                  + (f", RMS {sigma:.1%}" if sigma is not None else "")),
+                  + (f", RMS {rms:.1%}; band 1-sigma {sigma:.1%} (what "
+                     f"{len(cal.residuals)} residuals support)" if sigma is not None else "")),
                  ("measured", cal.created)):
         t.add_row(k, v)
     return t

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from .._run.demo import DEMO_RECIPE
+from .train import add_output_arguments
 
 
 def demo_parser(sub) -> argparse.ArgumentParser:
@@ -15,13 +16,14 @@ def demo_parser(sub) -> argparse.ArgumentParser:
                     f"({DEMO_RECIPE}): the plan, a progress bar, the memory logs (predicted vs "
                     "measured), the trained model, memory_report.json and memory_timeline.png.",
         epilog="Examples:\n  hf-memkit demo\n  hf-memkit demo --steps 20 --output-dir /tmp/demo\n"
+               "  hf-memkit demo --overwrite        # again, into the same demo_output\n"
                f"  hf-memkit train {DEMO_RECIPE}      # the same run",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--steps", type=int, default=None,
                    help="optimizer steps (default: the recipe's max_steps, 40)")
-    p.add_argument("--output-dir", default=None, help="where the model and reports go "
-                                                      "(default: the recipe's, demo_output)")
+    add_output_arguments(p, "where the model and reports go (default: the recipe's, "
+                            "demo_output)")
     return p
 
 
@@ -35,7 +37,7 @@ def demo_command(args: argparse.Namespace) -> int:
     console = Console()
     console.print(device_table(probe_device(), title="This machine"))
     return run_train(DEMO_RECIPE, output_dir=args.output_dir, max_steps=args.steps,
-                     console=console)
+                     console=console, overwrite=args.overwrite)
 
 
 def register(sub) -> None:

@@ -33,9 +33,15 @@ def train_parser(sub) -> argparse.ArgumentParser:
                "  hf-memkit train tiny-llama/1m_full_cpu --max-steps 5 --output-dir /tmp/run\n"
                "  hf-memkit train my_recipe.yaml learning_rate=1e-4 --json\n"
                "  hf-memkit train my_sft_recipe.yaml packing=true   # a recipe with trainer: sft\n"
+               "  hf-memkit train my_recipe.yaml --report-to wandb --push-to-hub\n"
+               "Writes: only to the output directory (a relative one stays inside the working "
+               "directory; a directory that is not empty needs --overwrite); nothing is pushed "
+               "to the Hub or reported to a service (report_to, push_to_hub in the recipe are "
+               "refused) unless --push-to-hub / --report-to say so.\n"
                "Exit codes: 0 trained, 2 bad recipe or input (message on stderr), 1 the run "
                "failed (error.txt, memory_report.json and the model so far are kept in the "
-               "output directory), 130 interrupted by Ctrl-C (the same files are kept).\n"
+               "output directory), 130 interrupted by Ctrl-C, 143 stopped by SIGTERM (docker "
+               "stop, a batch scheduler; the same files are kept).\n"
                "On CPU, hf-memkit re-executes itself with MALLOC_MMAP_THRESHOLD_=65536 so that "
                "its memory readings are exact.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -44,11 +50,29 @@ def train_parser(sub) -> argparse.ArgumentParser:
                                   "(hf-memkit recipes list)")
     p.add_argument("fields", nargs="*", metavar="FIELD=VALUE", type=parse_field,
                    help="TrainingArguments fields pinned on top of the recipe's pins")
-    p.add_argument("--output-dir", default=None, help="override the recipe's output_dir")
+    add_output_arguments(p, "override the recipe's output_dir (a relative path stays inside "
+                            "the working directory; give an absolute path to write elsewhere)")
     p.add_argument("--max-steps", type=int, default=None, help="override max_steps")
+    p.add_argument("--push-to-hub", action="store_true",
+                   help="push the model to the Hugging Face Hub (the repository: the "
+                        "recipe's hub_model_id, else the output directory's name); without "
+                        "this flag push_to_hub / hub_* pins are refused")
+    p.add_argument("--report-to", default=None, metavar="SERVICES",
+                   help="report the run to these services, comma-separated (wandb, "
+                        "tensorboard, mlflow, trackio, ... or all); default: none (a recipe's "
+                        "report_to naming a service is refused, and inside a Kubeflow TrainJob "
+                        "its status reporter is off unless named: --report-to kubeflow)")
     p.add_argument("--json", action="store_true",
                    help="print a machine-readable summary (no tables, no progress bar)")
     return p
+
+
+def add_output_arguments(p: argparse.ArgumentParser, output_help: str) -> None:
+    """``--output-dir`` and ``--overwrite`` (``train`` and ``demo``)."""
+    p.add_argument("--output-dir", default=None, help=output_help)
+    p.add_argument("--overwrite", action="store_true",
+                   help="train into an output directory that is not empty (files of the same "
+                        "name are replaced; without this flag such a directory is refused)")
 
 
 def memory_log_table(result) -> Table:
@@ -101,12 +125,14 @@ def summary_table(result) -> Table:
 
 def run_train(recipe_ref: str, *, output_dir: str | None = None, max_steps: int | None = None,
               pins: dict | None = None, as_json: bool = False,
-              console: Console | None = None) -> int:
+              console: Console | None = None, overwrite: bool = False,
+              push_to_hub: bool = False, report_to: str | None = None) -> int:
     """The body of ``hf-memkit train`` (also ``hf-memkit demo``)."""
     from rich.console import Console
 
     from .._recipe import load_recipe
     from .._run.train import (
+        check_run_writes,
         check_trainable_here,
         check_trainer_runs,
         plan_recipe,
@@ -114,9 +140,11 @@ def run_train(recipe_ref: str, *, output_dir: str | None = None, max_steps: int 
         with_max_steps,
         with_pins,
     )
+    from .._run.writes import check_report_flag
     from .._views.text import plan_tables, print_tables
 
     console = console or Console()
+    services = check_report_flag(report_to) if report_to is not None else []
     recipe = load_recipe(recipe_ref)
     if pins:
         recipe = with_pins(recipe, pins)
@@ -124,6 +152,9 @@ def run_train(recipe_ref: str, *, output_dir: str | None = None, max_steps: int 
         recipe = with_max_steps(recipe, max_steps)
     check_trainable_here(recipe)
     check_trainer_runs(recipe)   # before planning: e.g. DPO trains synthetic pairs only
+    where_to = dict(output_dir=output_dir, overwrite=overwrite, push_to_hub=push_to_hub,
+                    report_to=services)
+    check_run_writes(recipe, **where_to)   # before planning: the output directory, the Hub
     plan = plan_recipe(recipe)
     if not as_json:
         console.rule(f"plan for {recipe.source}")
@@ -133,8 +164,7 @@ def run_train(recipe_ref: str, *, output_dir: str | None = None, max_steps: int 
     # warning, printed to stdout) goes to stderr
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
         try:
-            result = train_recipe(recipe, plan=plan, output_dir=output_dir,
-                                  progress_console=progress)
+            result = train_recipe(recipe, plan=plan, progress_console=progress, **where_to)
         except KeyboardInterrupt as exc:   # TrainingInterrupted: what existed is saved
             return interrupted(exc)
     if as_json:
@@ -147,17 +177,21 @@ def run_train(recipe_ref: str, *, output_dir: str | None = None, max_steps: int 
 
 
 def interrupted(exc: BaseException, command: str = "train") -> int:
-    """Ctrl-C: one line on stderr (what was saved, where), exit code 130 (128 + SIGINT)."""
+    """Ctrl-C or SIGTERM: one line on stderr (what was saved, where), exit code 128 + the
+    signal: 130 (SIGINT), 143 (SIGTERM)."""
+    import signal
+
     what = str(exc) or "interrupted before training began; nothing saved"
     print(f"hf-memkit {command}: {what}", file=sys.stderr, flush=True)
-    return 130
+    return 128 + int(getattr(exc, "signum", signal.SIGINT))
 
 
 def train_command(args: argparse.Namespace) -> int:
     try:
         reexec_with_mmap_threshold(args.recipe)
         return run_train(args.recipe, output_dir=args.output_dir, max_steps=args.max_steps,
-                         pins=dict(args.fields), as_json=args.json)
+                         pins=dict(args.fields), as_json=args.json, overwrite=args.overwrite,
+                         push_to_hub=args.push_to_hub, report_to=args.report_to)
     except KeyboardInterrupt as exc:
         return interrupted(exc)
 

@@ -106,13 +106,16 @@ def test_memory_callback_without_a_calibration_warns_once(cuda_callback_env, tmp
 
 
 def test_memory_callback_survives_a_corrupt_calibration(cuda_callback_env, tmp_path, caplog):
+    """The broken file is skipped with a warning naming it (find_calibration); the callback then
+    finds no calibration, says so once, and writes nothing over the file."""
     path = save_calibration(make_cal(gpu=cuda_callback_env.name, torch=torch.__version__))
     path.write_text("{broken")
-    with caplog.at_level("WARNING"):
+    with caplog.at_level("WARNING"), pytest.warns(UserWarning, match="is corrupt") as warned:
         train_with(tmp_path, cuda_callback_env, MemoryCallback(ESTIMATE, calibrate=True,
                                                                plot=False))
-    msgs = [r.message for r in caplog.records if "residual not recorded" in r.message]
-    assert len(msgs) == 1 and str(path) in msgs[0]
+    assert any(str(path) in str(w.message) and "re-run `hf-memkit calibrate`" in str(w.message)
+               for w in warned)
+    assert sum("no calibration stored" in r.message for r in caplog.records) == 1
     assert path.read_text() == "{broken"
 
 

@@ -1,6 +1,6 @@
 """Faults of real runs on CPU, through the real ``transformers.Trainer`` and the real ``hf-memkit``
-CLI: inexact CPU readings without MALLOC_MMAP_THRESHOLD_, Ctrl-C during ``hf-memkit train``, and a
-run whose model raises."""
+CLI: inexact CPU readings without MALLOC_MMAP_THRESHOLD_, Ctrl-C and SIGTERM during ``hf-memkit
+train``, and a run whose model raises."""
 
 from __future__ import annotations
 
@@ -95,8 +95,9 @@ def _cli() -> str:
     return str(path)
 
 
-@pytest.mark.slow
-def test_ctrl_c_saves_what_exists_and_exits_130(tmp_path):
+def _long_run_stopped_by(tmp_path: Path, sig: int) -> tuple[int, str, Path]:
+    """``hf-memkit train`` of a long tiny run in a process of its own, sent ``sig`` once steps
+    (and memory logs) exist: (exit code, stderr, output directory)."""
     recipe = tmp_path / "long.yaml"
     # a checkpoint every 3 steps tells the test that steps (and memory logs) exist
     recipe.write_text("# Run: hf-memkit train long.yaml\n" + TINY_MODEL + "pins: {max_steps: "
@@ -107,26 +108,31 @@ def test_ctrl_c_saves_what_exists_and_exits_130(tmp_path):
            if k not in ("MALLOC_MMAP_THRESHOLD_", "HF_MEMKIT_REEXEC")}
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
     with open(tmp_path / "stdout", "w") as so, open(tmp_path / "stderr", "w") as se:
-        # SIGINT at its default at exec, so Python turns it into KeyboardInterrupt (as in a shell)
+        # SIGINT and SIGTERM at their defaults at exec, as in a shell (Python turns SIGINT
+        # into KeyboardInterrupt; SIGTERM ends the process unless hf-memkit handles it)
         proc = subprocess.Popen([_cli(), "train", str(recipe), "--output-dir", str(out)],
                                 stdout=so, stderr=se, env=env, cwd=tmp_path,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                                preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL)
+                                                    for s in (signal.SIGINT, signal.SIGTERM)])
         try:
             deadline = time.monotonic() + 300
             while not list(out.glob("checkpoint-*")):
                 assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
                 assert time.monotonic() < deadline, "training did not start"
                 time.sleep(0.2)
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(sig)
             rc = proc.wait(timeout=120)
         finally:
             if proc.poll() is None:
                 proc.kill()
-    err = (tmp_path / "stderr").read_text()
-    assert rc == 130, err[-3000:]
+    return rc, (tmp_path / "stderr").read_text(), out
+
+
+def _assert_kept(err: str, out: Path, head: str) -> dict:
+    """The stopped run's last stderr line and the files it kept; its memory report."""
     assert "Traceback" not in err
     last = [line for line in err.splitlines() if line.strip()][-1]
-    assert last.startswith("hf-memkit train: interrupted at step ") and str(out) in last
+    assert last.startswith(head) and str(out) in last, last
     assert "memory_report.json" in last and "the model" in last
     for name in ("model.safetensors", "config.json", "memory_report.json", "memory_timeline.png"):
         assert (out / name).is_file(), name
@@ -135,6 +141,47 @@ def test_ctrl_c_saves_what_exists_and_exits_130(tmp_path):
     assert len(report["steps"]) >= 3
     # hf-memkit re-executed itself with the mmap threshold (same pid: the signal reached it)
     assert report["cpu_readings"] == {"malloc_mmap_threshold": "65536", "exact": True}
+    return report
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_what_exists_and_exits_130(tmp_path):
+    rc, err, out = _long_run_stopped_by(tmp_path, signal.SIGINT)
+    assert rc == 130, err[-3000:]
+    report = _assert_kept(err, out, "hf-memkit train: interrupted at step ")
+    assert "signal" not in report["status"]
+
+
+@pytest.mark.slow
+def test_sigterm_saves_what_ctrl_c_saves_and_exits_143(tmp_path):
+    """docker stop and batch schedulers send SIGTERM: the same files as Ctrl-C are kept, and
+    the exit code is 128 + SIGTERM."""
+    rc, err, out = _long_run_stopped_by(tmp_path, signal.SIGTERM)
+    assert rc == 143, err[-3000:]
+    report = _assert_kept(err, out, "hf-memkit train: terminated by SIGTERM at step ")
+    assert report["status"]["signal"] == "SIGTERM"
+
+
+def test_the_sigterm_handler_is_installed_for_training_only():
+    """While training SIGTERM raises Terminated (a KeyboardInterrupt: Ctrl-C's path); before and
+    after, the process's own handler is back; a handler someone else installed (the Trainer's
+    enable_jit_checkpoint, the user's application) or SIGTERM ignored is left alone."""
+    from hf_memkit._run.stop import Terminated, sigterm_as_interrupt
+
+    runner = signal.signal(signal.SIGTERM, signal.SIG_DFL)   # as in `hf-memkit train`
+    try:
+        with pytest.raises(KeyboardInterrupt) as caught, sigterm_as_interrupt():
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)   # the handler raises at the next bytecode
+        assert isinstance(caught.value, Terminated) and caught.value.signum == signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        for theirs in (signal.SIG_IGN, lambda signum, frame: None):
+            signal.signal(signal.SIGTERM, theirs)
+            with sigterm_as_interrupt():
+                assert signal.getsignal(signal.SIGTERM) is theirs
+    finally:
+        signal.signal(signal.SIGTERM, runner)
 
 
 def _labelled_data_with_a_bad_label(tmp_path: Path) -> Path:

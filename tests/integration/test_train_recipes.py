@@ -126,3 +126,22 @@ def test_failed_run_exits_1(tmp_path, capsys):
                  "--json", "optim=sgd", "optim_args=momentum=-1"]) == 1
     err = capsys.readouterr().err
     assert "run failed" in err and "Invalid momentum value: -1.0" in err
+
+
+def test_a_run_reports_to_no_service_and_pushes_nothing_unless_told(tmp_path, monkeypatch):
+    """The arguments the run really trained with (training_args.bin): report_to empty and no
+    push, even inside a Kubeflow TrainJob (where transformers adds its reporter on its own);
+    with report_to given, exactly those services (tensorboard writes under output_dir)."""
+    import torch
+
+    from hf_memkit._run.train import train_recipe
+
+    monkeypatch.setenv("KUBEFLOW_TRAINER_SERVER_URL", "https://127.0.0.1:9/status")
+    train_recipe(load_recipe(TINY), output_dir=str(tmp_path / "a"), max_steps=1)
+    args = torch.load(tmp_path / "a" / "training_args.bin", weights_only=False)
+    assert args.report_to == [] and args.push_to_hub is False
+    train_recipe(load_recipe(TINY), output_dir=str(tmp_path / "b"), max_steps=1,
+                 report_to=["tensorboard"])
+    args = torch.load(tmp_path / "b" / "training_args.bin", weights_only=False)
+    assert args.report_to == ["tensorboard"]
+    assert list((tmp_path / "b").glob("runs/*/events.out.tfevents.*"))

@@ -249,18 +249,23 @@ def test_find_without_a_cache_dir_is_none(cache):
     ("[1, 2]", "expected a JSON object"),
 ])
 def test_corrupt_file_gives_a_clear_error(cache, text, problem):
+    """load_calibration (a file the caller names) raises; find_calibration (what every estimate
+    calls) skips the file with the same words as a warning: a broken cache file never stops an
+    estimate."""
     path = save_calibration(make_cal())
     if text is None:
         d = json.loads(path.read_text())
         d["context"] = "lots"
         text = json.dumps(d)
     path.write_text(text)
-    for call in (lambda: find_calibration(H100, "12.4"), lambda: load_calibration(path)):
-        with pytest.raises(HfMemkitError) as e:
-            call()
-        msg = str(e.value)
+    with pytest.raises(HfMemkitError) as e:
+        load_calibration(path)
+    with pytest.warns(UserWarning) as w:
+        assert find_calibration(H100, "12.4") is None
+    for msg in (str(e.value), str(w[0].message)):
         assert str(path) in msg and "re-run `hf-memkit calibrate`" in msg
         assert problem in msg
+    assert "uncalibrated band" in str(w[0].message)
 
 
 def test_calibration_dir_default_locations(monkeypatch, tmp_path):
@@ -299,7 +304,9 @@ def test_add_residual_keeps_the_newest_50_and_rel_sigma():
     cal = add_residual(cal, 80, 100)
     assert cal.residuals == pytest.approx((0.1, -0.2)) and cal.rel_sigma is None
     cal3 = add_residual(cal, 105, 100)
-    assert cal3.rel_sigma == pytest.approx(math.sqrt((0.01 + 0.04 + 0.0025) / 3))
+    rms = math.sqrt((0.01 + 0.04 + 0.0025) / 3)
+    assert cal3.residual_rms == pytest.approx(rms)
+    assert cal3.rel_sigma == pytest.approx(rms * calmod.band_factor(3))      # 3 residuals: x3
     assert cal.residuals == pytest.approx((0.1, -0.2))                  # a new object
     for i in range(60):
         cal3 = add_residual(cal3, 1000 + i, 1000)
@@ -354,12 +361,122 @@ def test_a_stored_calibration_changes_the_estimate(cache):
     assert after.peak_allocated - before.peak_allocated == ws - ws_before
     assert after.device_used - before.device_used == (
         ctx - before.breakdown["context"]) + (after.peak_reserved - before.peak_reserved)
-    # the band comes from the residuals: RMS of (0.04, -0.05, 0.06)
+    # the band comes from the residuals: RMS of (0.04, -0.05, 0.06), widened to what three
+    # residuals support (the 95% upper bound of sigma)
     rms = ((0.04 ** 2 + 0.05 ** 2 + 0.06 ** 2) / 3) ** 0.5
-    assert after.uncertainty == pytest.approx(rms)
+    assert after.uncertainty == pytest.approx(rms * calmod.band_factor(3))
+    assert any("3 measured residuals" in n and "widened" in n for n in after.notes)
     assert any(str(path) in n for n in after.notes)
     # another CUDA version or a catalog device does not take it
     assert mk.estimate_memory(tiny, args, seq_len=64, device=dev, cuda_version="13.0"
                               ).breakdown["context"] != ctx
     assert mk.estimate_memory(tiny, args, seq_len=64, device="A100-80GB", cuda_version="12.8"
                               ).breakdown["context"] != ctx
+
+
+# -- what the store reads is checked (issue 28) ---------------------------------------------------
+
+
+def _tampered(path, **fields):
+    d = json.loads(path.read_text())
+    d.update(fields)
+    path.write_text(json.dumps(d))
+
+
+@pytest.mark.parametrize("fields, words", [
+    # 1e200 squared overflows the RMS: refused as a residual no measurement gives
+    (dict(residuals=[0.01, 1e200, 0.02]), ["`residuals`", "1e+200", "[-1, 10]"]),
+    (dict(residuals=[-3.0, 0.0, 0.0]), ["`residuals`", "-3.0", "[-1, 10]"]),
+    (dict(residuals=[0.01] * 51), ["`residuals` holds 51", "at most 50"]),
+    (dict(context=10**30), ["`context`", "1000000000000000000000000000000", "at most",
+                            "1 TiB"]),
+    (dict(cublas_workspace=-1), ["`cublas_workspace`", "-1", "non-negative"]),
+])
+def test_out_of_range_values_are_refused_and_skipped(cache, fields, words):
+    path = save_calibration(make_cal(residuals=(0.01, -0.02, 0.03)))
+    _tampered(path, **fields)
+    with pytest.raises(HfMemkitError) as e:
+        load_calibration(path)
+    msg = str(e.value)
+    assert str(path) in msg and "re-run `hf-memkit calibrate`" in msg
+    for w in words:
+        assert w in msg, (w, msg)
+    with pytest.warns(UserWarning, match="uncalibrated band"):
+        assert find_calibration(H100, "12.4") is None
+
+
+def test_band_is_never_narrower_than_the_residuals_support():
+    """[0, 0, 0] no longer removes the band: the floor (the traced step's CPU-measured sigma)
+    holds; and a few residuals widen their RMS to the 95% upper bound of sigma, the factor
+    within 4% above the exact chi-square bound (tabled quantiles chi2_0.05(n))."""
+    zero = make_cal(residuals=(0.0, 0.0, 0.0))
+    assert zero.residual_rms == 0.0 and zero.rel_sigma == calmod.SIGMA_FLOOR == 0.005
+    for n, quantile in ((3, 0.3518), (10, 3.9403), (50, 34.7643)):
+        exact = math.sqrt(n / quantile)
+        assert exact <= calmod.band_factor(n) < 1.04 * exact
+    few = make_cal(residuals=(0.02, -0.02, 0.02))
+    many = make_cal(residuals=(0.02, -0.02) * 25)
+    assert few.residual_rms == pytest.approx(many.residual_rms)
+    assert few.rel_sigma > 2.5 * many.residual_rms > many.rel_sigma > many.residual_rms
+
+
+def test_a_zero_residual_calibration_keeps_a_margin(cache):
+    dev = _probed_a100()
+    tiny = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=4, vocab_size=1000)
+    save_calibration(make_cal(gpu=dev.name, driver=dev.driver_version, torch=torch.__version__,
+                              cuda="12.8", residuals=(0.0, 0.0, 0.0)))
+    est = mk.estimate_memory(tiny, {"per_device_train_batch_size": 2}, seq_len=64, device=dev,
+                             cuda_version="12.8")
+    assert est.uncertainty == pytest.approx(calmod.SIGMA_FLOOR)
+    assert est.margin == pytest.approx(2 * calmod.SIGMA_FLOOR * est.device_used, rel=1e-3)
+
+
+def _key_path(cache):
+    cache.mkdir(parents=True, exist_ok=True)
+    return cache / (calibration_key(H100, "550.54.15", "2.5.1+cu124", "12.4") + ".json")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["directory", "fifo", "dev-zero", "huge", "binary"])
+def test_files_that_are_not_a_calibration_are_refused_without_hanging(cache, kind):
+    """A directory, a FIFO (opening one for reading would wait for a writer forever),
+    /dev/zero (reading it would never end), a file over the size cap and bytes that are not
+    text: each refused with the file named, and skipped by find_calibration."""
+    path = _key_path(cache)
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dev-zero":
+        path.symlink_to("/dev/zero")
+    elif kind == "huge":
+        path.write_text(" " * (calmod.MAX_FILE_BYTES + 1))
+    else:
+        path.write_bytes(b"\xff\xfe\x00garbage")
+    words = {"directory": "not a regular file", "fifo": "not a regular file",
+             "dev-zero": "not a regular file", "huge": "larger than 65536 bytes",
+             "binary": "not UTF-8"}[kind]
+    with pytest.raises(HfMemkitError, match=words) as e:
+        load_calibration(path)
+    assert str(path) in str(e.value) and "re-run `hf-memkit calibrate`" in str(e.value)
+    with pytest.warns(UserWarning, match=words):
+        assert find_calibration(H100, "12.4") is None
+    if kind == "directory":  # calibrate cannot write over it: said, not a raw OSError
+        with pytest.raises(HfMemkitError, match="not a regular file; remove it"):
+            save_calibration(make_cal())
+
+
+def test_a_broken_cache_file_does_not_stop_an_estimate_or_the_cli(cache, capsys):
+    """The CLI path: the warning names the file on stderr, the estimate is answered (exit 0)
+    with the uncalibrated band."""
+    dev = _probed_a100()
+    path = _key_path(cache).with_name(calibration_key(dev.name, dev.driver_version,
+                                                      torch.__version__, "12.8") + ".json")
+    path.write_text('{"residuals": [1e200')
+    tiny = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=4, vocab_size=1000)
+    with pytest.warns(UserWarning, match="is corrupt"):
+        est = mk.estimate_memory(tiny, {"per_device_train_batch_size": 2}, seq_len=64,
+                                 device=dev, cuda_version="12.8")
+    assert not any("calibration" in n for n in est.notes) and est.margin > 0

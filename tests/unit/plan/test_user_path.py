@@ -234,3 +234,126 @@ def test_adafactor_on_an_empty_parameter():
     empty = mk.estimate_memory(BertConfig(type_vocab_size=0, **kw), args, seq_len=16, device="cpu")
     one = mk.estimate_memory(BertConfig(type_vocab_size=1, **kw), args, seq_len=16, device="cpu")
     assert one.breakdown["optimizer"] - empty.breakdown["optimizer"] == 4
+
+
+# -- apply_to onto any subclass; Plan.from_json checks what it reads (issue 28) -------------------
+
+
+class OwnInit(TrainingArguments):
+    """A user's subclass with its own ``__init__`` of another signature (not a dataclass's):
+    ``dataclasses.replace`` cannot call it (TypeError: the required ``team`` is missing)."""
+
+    def __init__(self, team: str, **kw):
+        super().__init__(**kw)
+        self.team = team
+
+
+@dataclasses.dataclass
+class WithState(TrainingArguments):
+    """A subclass with a field the user sets after construction (``init=False``)."""
+
+    run_tag: str = dataclasses.field(default="", init=False)
+
+
+@pytest.fixture(scope="module")
+def cpu_plan():
+    return quiet_plan(TINY, device=cpu(), activation_checkpointing=True)
+
+
+def _fields(args) -> dict:
+    return {f.name: getattr(getattr(args, f.name), "value", getattr(args, f.name))
+            for f in dataclasses.fields(args)}
+
+
+def test_apply_to_a_subclass_with_its_own_init_and_init_false_fields(cpu_plan, tmp_path):
+    own = OwnInit("vision", output_dir=str(tmp_path), use_cpu=True, seed=3)
+    with pytest.raises(TypeError):          # what apply_to did before: replace calls __init__
+        dataclasses.replace(own, per_device_train_batch_size=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = cpu_plan.apply_to(own)
+    assert type(out) is OwnInit and out.team == "vision" and out.seed == 3
+    # no planned field was set by the user: no "replaced" warning (defaults of the nearest
+    # class that builds with output_dir alone, TrainingArguments)
+    assert not [w for w in caught if "apply_to" in str(w.message)]
+    stateful = WithState(output_dir=str(tmp_path), use_cpu=True)
+    stateful.run_tag = "ablation-7"
+    out2 = cpu_plan.apply_to(stateful)
+    assert type(out2) is WithState and out2.run_tag == "ablation-7"
+    assert dataclasses.replace(stateful).run_tag == ""   # replace resets it
+    for out_ in (out, out2):
+        for k, v in cpu_plan.training_args_kwargs.items():
+            assert _fields(out_)[k] == v, k
+        # derived as construction derives them: the old name mirrors the planned checkpointing
+        assert out_.gradient_checkpointing is True and out_.device.type == "cpu"
+    assert stateful.activation_checkpointing is False     # the user's object is unchanged
+
+
+def test_apply_to_trl_config_equals_building_it_with_the_planned_fields(cpu_plan, tmp_path):
+    """TRL's SFTConfig (a dataclass subclass with its own __post_init__): the copy re-derived
+    by apply_to has every field a fresh construction with the planned values has."""
+    require("trl")
+    from trl import SFTConfig
+
+    mine = SFTConfig(output_dir=str(tmp_path), use_cpu=True, packing=True, max_length=SEQ,
+                     learning_rate=2e-5, report_to=[])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = cpu_plan.apply_to(mine)
+        built = dataclasses.replace(mine, **{k: v for k, v in cpu_plan.training_args_kwargs.items()
+                                             if k in _fields(mine)})
+    assert type(out) is SFTConfig and _fields(out) == _fields(built)
+    assert (out.packing, out.learning_rate) == (True, 2e-5)
+    assert out.mixed_precision == built.mixed_precision
+
+
+@pytest.mark.parametrize("tamper, words", [
+    (lambda d: d["training_args_kwargs"].update(per_device_train_batch_size=-1),
+     ["training_args_kwargs.per_device_train_batch_size", "-1", "positive integer"]),
+    (lambda d: d["model_kwargs"].update(dtype="load"),
+     ["model_kwargs.dtype", "'load'", "float32, float16, bfloat16, auto"]),
+    (lambda d: d["model_kwargs"].update(attn_implementation="someone/hub-kernel"),
+     ["model_kwargs.attn_implementation", "'someone/hub-kernel'", "eager, sdpa"]),
+    (lambda d: d["model_kwargs"].update(trust_remote_code=True),
+     ["model_kwargs.trust_remote_code", "allowed: attn_implementation, dtype"]),
+    (lambda d: d.update(seq_len="128"), ["seq_len", "'128'", "positive integer"]),
+    (lambda d: d.update(budgett=1), ["budgett", "unknown field", "did you mean `budget`"]),
+    (lambda d: d["training_args_kwargs"].update(bf16="yes please"),
+     ["training_args_kwargs.bf16", "'yes please'", "true/false"]),
+    (lambda d: d["training_args_kwargs"].update(per_device_train_batch_size=1),
+     ["training_args_kwargs.per_device_train_batch_size", "is not the chosen setup's",
+      "plan_training(..., per_device_train_batch_size=1)"]),
+    (lambda d: d["training_args_kwargs"].update(optim="adamw_nonsense"),
+     ["training_args_kwargs", "adamw_nonsense"]),
+    (lambda d: [c.update(chosen=False) for c in d["candidates"]],
+     ["candidates: 0 are marked chosen", "exactly one"]),
+    (lambda d: d["candidates"][0].update(micro_batch=0),
+     ["candidates[0].micro_batch", "positive integer", "got 0"]),
+    (lambda d: d.pop("budget"), ["missing field(s): budget"]),
+])
+def test_from_json_checks_what_it_reads(cpu_plan, tamper, words):
+    import json
+
+    d = json.loads(cpu_plan.to_json())
+    tamper(d)
+    with pytest.raises(mk.HfMemkitError) as err:
+        mk.Plan.from_json(json.dumps(d))
+    msg = str(err.value)
+    assert "the plan JSON" in msg and "plan.to_json()" in msg      # the fix: make it again
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def test_from_json_of_what_is_not_a_plan(cpu_plan):
+    with pytest.raises(mk.HfMemkitError, match="does not parse.*plan.to_json"):
+        mk.Plan.from_json("{not json")
+    with pytest.raises(mk.HfMemkitError, match="expected a JSON object.*got list"):
+        mk.Plan.from_json("[1, 2]")
+    # both forms that to_json writes still load, and dtypes read back as torch dtypes
+    for full in (True, False):
+        back = mk.Plan.from_json(cpu_plan.to_json(full=full))
+        assert back.training_args_kwargs == cpu_plan.training_args_kwargs
+    bf16 = quiet_plan(TINY, device="A100-80GB", method="full", bf16=True, micro_batch=1)
+    if "dtype" in bf16.model_kwargs:
+        assert mk.Plan.from_json(bf16.to_json()).model_kwargs["dtype"] in (
+            torch.float32, torch.float16, torch.bfloat16)
