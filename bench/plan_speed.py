@@ -16,17 +16,19 @@ import os
 import subprocess
 import sys
 
-CASES = [("Llama-3.1-70B", "H100-80GB", 2048, 16), ("Llama-3.1-8B", "RTX-4090", 2048, 32)]
+# (model, GPU, seq_len, target batch, GPUs)
+CASES = [("Llama-3.1-70B", "H100-80GB", 2048, 16, 1), ("Llama-3.1-8B", "RTX-4090", 2048, 32, 1),
+         ("Llama-3.1-70B", "H100-80GB", 2048, 64, 8)]
 BAR, GOAL = 5.0, 3.0
 
 CHILD = r"""
 import sys, time, warnings
 warnings.filterwarnings("ignore")
 import hf_memkit as mk
-model, gpu, seq, target = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-mk.plan_training(model, seq_len=seq, target_batch_size=target, device=gpu)   # warm-up
+model, gpu, seq, target, gpus = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+mk.plan_training(model, seq_len=seq, target_batch_size=target, device=gpu, num_gpus=gpus)  # warm
 t0 = time.perf_counter()
-p = mk.plan_training(model, seq_len=seq, target_batch_size=target, device=gpu)
+p = mk.plan_training(model, seq_len=seq, target_batch_size=target, device=gpu, num_gpus=gpus)
 plan_s = time.perf_counter() - t0
 args = {k: v for k, v in p.training_args_kwargs.items()}
 kw = dict(device=gpu, seq_len=seq, num_gpus=p.num_gpus if p.num_gpus > 1 else None,
@@ -46,14 +48,16 @@ print(f"{plan_s:.3f}|{est_s:.3f}|{p.chosen.label()}|{p.chosen.device_used / 2**3
 
 def main() -> int:
     worst = 0.0
-    for model, gpu, seq, target in CASES:
-        out = subprocess.run([sys.executable, "-c", CHILD, model, gpu, str(seq), str(target)],
+    for model, gpu, seq, target, gpus in CASES:
+        out = subprocess.run([sys.executable, "-c", CHILD, model, gpu, str(seq), str(target),
+                              str(gpus)],
                              capture_output=True, text=True, check=True,
                              env=dict(os.environ, HF_MEMKIT_NO_CACHE="1")).stdout.strip()
         plan_s, est_s, label, gib, n, n_est = out.splitlines()[-1].split("|")
         ratio = float(plan_s) / float(est_s)
         worst = max(worst, ratio)
-        print(f"{model} on {gpu} (seq {seq}, target batch {target}): plan {float(plan_s):.2f} s, "
+        print(f"{model} on {gpus} x {gpu} (seq {seq}, target batch {target}): "
+              f"plan {float(plan_s):.2f} s, "
               f"one estimate {float(est_s):.2f} s, ratio {ratio:.1f}x; {n} setups considered, "
               f"{n_est} estimated -> {label} ({gib} GiB)")
     verdict = "goal met" if worst <= GOAL else "bar met" if worst <= BAR else "MISSED"

@@ -66,8 +66,6 @@ def _problems(seq_len: Any, stage: Any, target_len: Any, seq_name: str = "seq_le
 def _warn_precision(amp: str | None, tf32: bool, dev: Any) -> None:
     """A ``UserWarning`` for each precision issue of the device (``_device.precision``, the rule
     plans and recipes share): the estimate is still made, of the precision asked for."""
-    import warnings
-
     for issue in precision_issues(dev, bf16=amp == "bf16", fp16=amp == "fp16", tf32=tf32):
         warnings.warn(issue.message + ("; plans and recipes refuse it, and this estimate is of "
                                        "the precision asked for" if issue.refused else ""),
