@@ -10,7 +10,6 @@ import shutil
 import socket
 import sys
 import tempfile
-import types
 
 # The suite never touches the network: Hugging Face libraries stay offline (read at import, so
 # set before they load; subprocesses inherit it), and any connection or name lookup beyond this
@@ -27,7 +26,7 @@ atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 os.environ["HF_MEMKIT_CACHE"] = _CACHE
 os.environ["HF_MEMKIT_NO_CACHE"] = "1"
 
-from tests.helpers import FakeGpu, NetworkAccessError, make_fake_pynvml  # noqa: E402
+from tests.helpers import FakeGpu, NetworkAccessError  # noqa: E402
 
 _LOCAL_NAMES = {"localhost", "", socket.gethostname(), socket.getfqdn()}
 
@@ -77,36 +76,42 @@ import torch  # noqa: E402
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    """Install fake CUDA devices into ``torch.cuda`` (and optionally a fake NVML).
+    """Install a GPU machine built from ``FakeGpu`` records (``tests.fakes``): ``torch.cuda``
+    with CUDA's rules and, by default, nvidia-ml-py over a fake NVML library with NVML's.
 
-    Usage: ``fake_cuda(gpus, nvml="ok" | "missing" | "init_raises" | "query_raises")``.
+    Usage: ``fake_cuda(gpus, nvml="ok" | "missing" | "init_raises" | "query_raises")`` returns
+    the ``Machine`` (its ``gpus`` in PCI order = the list's order; what is not ``free`` is held
+    by another process). ``"missing"``: nvidia-ml-py not installed; ``"init_raises"``: installed
+    but the driver's library is absent; ``"query_raises"``: handle lookups fail.
     """
+    from tests.fakes import Gpu, Machine, Mig, install_cuda, install_nvml, remove_nvml_library
+    from tests.fakes.machine import mig_uuid_of, uuid_of
 
     def install(gpus: list[FakeGpu], nvml: str = "ok"):
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: len(gpus))
-
-        def props(i):
-            g = gpus[i]
-            total = g.mig_total if g.mig else g.total
-            name = g.mig_name if g.mig and g.mig_name else g.name
-            return types.SimpleNamespace(name=name, major=g.cc[0], minor=g.cc[1],
-                                         total_memory=total)
-
-        def mem_get_info(i=0):
-            g = gpus[i]
-            total = g.mig_total if g.mig else g.total
-            return (min(g.free, total), total)
-
-        monkeypatch.setattr(torch.cuda, "get_device_properties", props)
-        monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+        real = []
+        for i, g in enumerate(gpus):
+            migs = [Mig((g.mig_name or "").rsplit(" ", 1)[-1] or "1g.5gb", g.mig_total,
+                        mig_uuid_of(i, 0))] if g.mig else []
+            real.append(Gpu(g.name, g.total, g.cc, uuid_of(i), 0x10 * (i + 1), reserved=0,
+                            migs=migs, mig_capable=g.name.startswith(("NVIDIA A100",
+                                                                      "NVIDIA H100"))))
+        machine = Machine(real)
+        for i, g in enumerate(gpus):
+            target = real[i].migs[0] if g.mig else real[i]
+            held = (g.mig_total if g.mig else g.total) - g.free
+            if held > 0 and not g.mig:
+                machine.spawn(4000 + i, target.uuid, held)
+        machine.cuda = install_cuda(machine, monkeypatch)
         if nvml == "missing":
             monkeypatch.setitem(sys.modules, "pynvml", None)  # import raises ImportError
-            return None
-        fake = make_fake_pynvml(gpus, init_raises=nvml == "init_raises",
-                                query_raises=nvml == "query_raises")
-        monkeypatch.setitem(sys.modules, "pynvml", fake)
-        return fake
+        elif nvml == "init_raises":
+            remove_nvml_library(monkeypatch)
+        else:
+            install_nvml(machine, monkeypatch)
+            if nvml == "query_raises":
+                machine.nvml_errors.update({"nvmlDeviceGetHandleByIndex_v2": 999,
+                                            "nvmlDeviceGetHandleByUUID": 999})
+        return machine
 
     return install
 

@@ -145,7 +145,8 @@ def measure_calibration(index: int = 0) -> Calibration:
 
     from .._compat import require
     from .._cuda.runtime import cublas_workspace
-    from .probe import nvml_handle, probe_device
+    from .nvml import nvml_handle
+    from .probe import probe_device
 
     _check_fresh(index)
     pynvml = require("pynvml", "calibration (NVML readings of the CUDA context)")

@@ -16,6 +16,7 @@ import psutil
 
 from .._errors import HfMemkitError, excerpt
 from .catalog import GpuSpec, catalog, lookup
+from .nvml import NvmlFacts, nvml_handle, query  # noqa: F401  (nvml_handle: callers import it here)
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,11 @@ class DeviceInfo:
         default=None, metadata={"help": "Bidirectional GPU-to-GPU bytes/s (catalog)."}
     )
     driver_version: str | None = field(default=None, metadata={"help": "NVIDIA driver, if probed."})
+    own_memory: int | None = field(default=None, metadata={
+        "help": "Bytes this process already held on the device when probed (its CUDA context "
+                "and the caching allocator's segments; NVML's process list, else torch's "
+                "reserved). free_memory + own_memory is what this process's run may use; "
+                "None off a probed CUDA device."})
     vendor: str | None = field(default=None, metadata={
         "help": "'nvidia' (CUDA), 'amd' (ROCm: kind 'cuda', HIP underneath), 'apple' (MPS); "
                 "None on CPU or when unknown."})
@@ -157,15 +163,21 @@ def resolve_device(device: DeviceInfo | str | None) -> DeviceInfo:
 # ----------------------------------------------------------------------------------------------
 
 
-def probe_device(index: int = 0) -> DeviceInfo:
-    """Describe device ``index`` of this machine: CUDA (NVML, else torch.cuda), else MPS, else CPU.
+def probe_device(index: int | None = None) -> DeviceInfo:
+    """Describe CUDA device ``index`` of this machine (NVML, else torch.cuda), else MPS, else
+    the CPU. ``None``: this process's device (``local_device_index``), which under torchrun is
+    the rank's own GPU, never GPU 0 for every rank.
 
     Never raises for a missing driver: a machine without CUDA gets its CPU (or MPS) described.
+    Creates no CUDA context where NVML can answer (``torch.cuda.mem_get_info`` would make one
+    of 0.3-0.5 GiB on the device it reads).
     """
     import torch  # here, not at module level: `hf-memkit devices` and `--help` need no torch
 
     if _cuda_available():
         count = torch.cuda.device_count()
+        if index is None:
+            index = local_device_index(count)
         if not 0 <= index < count:
             raise HfMemkitError(
                 f"CUDA device index {index} does not exist; this machine shows {count} "
@@ -175,6 +187,23 @@ def probe_device(index: int = 0) -> DeviceInfo:
     if _mps_available():
         return _probe_mps()
     return probe_cpu()
+
+
+def local_device_index(count: int) -> int:
+    """This process's CUDA device: ``LOCAL_RANK`` (torchrun, accelerate, deepspeed set it, and
+    each rank trains on that device), else the current device once CUDA is initialised, else
+    0. A ``LOCAL_RANK`` past the visible devices (each rank shown one GPU) means device 0."""
+    import torch
+
+    local = os.environ.get("LOCAL_RANK", "").strip()
+    if local.isdigit():
+        return int(local) if int(local) < count else 0
+    try:
+        if torch.cuda.is_initialized():
+            return int(torch.cuda.current_device())
+    except Exception:
+        pass
+    return 0
 
 
 _WARNED: set[str] = set()   # keys of the warnings already given in this process
@@ -224,16 +253,12 @@ def _probe_cuda(index: int, count: int) -> DeviceInfo:
     except Exception as exc:  # a broken driver or CUDA install
         return _probe_cuda_without_torch(index, count, exc)
     cc = (int(props.major), int(props.minor))
-    nvml = _nvml_query(index)
-    if nvml is not None and nvml["mig"]:
-        # A MIG slice: CUDA sees the slice; NVML's parent-device memory would be the whole card.
-        free, total = _torch_mem_get_info(index, props)
-        name, source = str(props.name), "nvml"
-    elif nvml is not None:
-        free, total, name, source = nvml["free"], nvml["total"], nvml["name"], "nvml"
+    nvml = _nvml_query(index, str(props.name))
+    if nvml is not None:
+        free, total, name, source, own = nvml.free, nvml.total, nvml.name, "nvml", nvml.own
     else:
         free, total = _torch_mem_get_info(index, props)
-        name, source = str(props.name), "torch.cuda"
+        name, source, own = str(props.name), "torch.cuda", _torch_own(index)
     spec = lookup(name)
     rocm = getattr(torch.version, "hip", None) is not None  # AMD: cc is the gfx major.minor
     return DeviceInfo(
@@ -248,14 +273,15 @@ def _probe_cuda(index: int, count: int) -> DeviceInfo:
         supports_fp16_tensor_cores=cc >= (7, 0),
         count=count,
         index=index,
-        mig=bool(nvml and nvml["mig"]),
+        mig=bool(nvml and nvml.mig),
         source=source,
+        own_memory=own,
         catalog_name=spec.name if spec else None,
         peak_tflops=dict(spec.tflops) if spec else {},
         memory_bandwidth=spec.memory_bandwidth if spec else None,
         interconnect=spec.interconnect if spec else None,
         interconnect_bandwidth=spec.interconnect_bandwidth if spec else None,
-        driver_version=nvml["driver"] if nvml else None,
+        driver_version=nvml.driver if nvml else None,
         vendor="amd" if rocm else "nvidia",
     )
 
@@ -263,21 +289,21 @@ def _probe_cuda(index: int, count: int) -> DeviceInfo:
 def _probe_cuda_without_torch(index: int, count: int, exc: Exception) -> DeviceInfo:
     """torch.cuda cannot describe the device: NVML's name and the catalog entry (its compute
     capability), else the CPU; a warning says which and what is lost."""
-    nvml = _nvml_query(index)
-    spec = lookup(nvml["name"]) if nvml and not nvml["mig"] else None
+    nvml = _nvml_query(index, None)
+    spec = lookup(nvml.name) if nvml and not nvml.mig else None
     what = f"torch.cuda.get_device_properties({index}) raised {type(exc).__name__}: {exc}"
     if spec is None:
         warn_once("cuda_props", f"{what}; describing the CPU instead (NVML and the GPU catalog "
                                 f"could not identify the GPU), so estimates and plans for this "
                                 f"machine are for its CPU; {CUDA_FIX}")
         return probe_cpu()
-    warn_once("cuda_props", f"{what}; GPU {index} is described from NVML ({nvml['name']}) and "
+    warn_once("cuda_props", f"{what}; GPU {index} is described from NVML ({nvml.name}) and "
                             f"the catalog entry {spec.name} (compute capability "
                             f"{spec.compute_capability[0]}.{spec.compute_capability[1]}); "
                             f"training on it will likely fail as well: {CUDA_FIX}")
-    return _from_spec(spec, name=nvml["name"], total_memory=nvml["total"],
-                      free_memory=nvml["free"], count=count, index=index, source="nvml",
-                      driver_version=nvml["driver"])
+    return _from_spec(spec, name=nvml.name, total_memory=nvml.total, free_memory=nvml.free,
+                      count=count, index=index, source="nvml", driver_version=nvml.driver,
+                      own_memory=nvml.own)
 
 
 def _torch_mem_get_info(index: int, props: Any) -> tuple[int | None, int]:
@@ -291,21 +317,20 @@ def _torch_mem_get_info(index: int, props: Any) -> tuple[int | None, int]:
         return None, int(props.total_memory)
 
 
-def nvml_handle(pynvml: Any, index: int) -> Any:
-    """NVML enumerates in PCI order; CUDA in CUDA_VISIBLE_DEVICES order. Map one to the other."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-    if visible:
-        entries = [v.strip() for v in visible.split(",") if v.strip()]
-        if index < len(entries):
-            entry = entries[index]
-            if entry.isdigit():
-                return pynvml.nvmlDeviceGetHandleByIndex(int(entry))
-            return pynvml.nvmlDeviceGetHandleByUUID(entry)
-    return pynvml.nvmlDeviceGetHandleByIndex(index)
+def _torch_own(index: int) -> int:
+    """What this process holds on ``index`` as torch sees it: the allocator's reserved bytes
+    (the context's size is unknown to torch: the budget stays on the safe side)."""
+    import torch
+
+    try:
+        return int(torch.cuda.memory_reserved(index)) if torch.cuda.is_initialized() else 0
+    except Exception:
+        return 0
 
 
-def _nvml_query(index: int) -> dict[str, Any] | None:
-    """NVML facts for CUDA device ``index``, or None when NVML is missing or fails."""
+def _nvml_query(index: int, cuda_name: str | None) -> NvmlFacts | None:
+    """NVML facts for CUDA device ``index`` (``nvml.query``), or None when NVML is missing or
+    cannot describe it (a warning says why)."""
     try:
         import pynvml  # nvidia-ml-py
     except ImportError:
@@ -317,25 +342,10 @@ def _nvml_query(index: int) -> dict[str, Any] | None:
         logger.warning("NVML failed to initialise (%s); using torch.cuda for device memory", exc)
         return None
     try:
-        handle = nvml_handle(pynvml, index)
-        name = pynvml.nvmlDeviceGetName(handle)
-        if isinstance(name, bytes):
-            name = name.decode()
-        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
-        try:
-            current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
-            mig = current == getattr(pynvml, "NVML_DEVICE_MIG_ENABLE", 1)
-        except Exception:  # NVML_ERROR_NOT_SUPPORTED on cards without MIG
-            mig = False
-        try:
-            driver = pynvml.nvmlSystemGetDriverVersion()
-            driver = driver.decode() if isinstance(driver, bytes) else str(driver)
-        except Exception:
-            driver = None
-        return {"name": str(name), "total": int(mem.total), "free": int(mem.free), "mig": mig,
-                "driver": driver}
+        return query(pynvml, index, cuda_name or "")
     except Exception as exc:
-        logger.warning("NVML query failed (%s); using torch.cuda for device memory", exc)
+        logger.warning("NVML could not describe CUDA device %d (%s: %s); using torch.cuda for "
+                       "its memory", index, type(exc).__name__, exc)
         return None
     finally:
         try:

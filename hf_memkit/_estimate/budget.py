@@ -1,7 +1,8 @@
 """The memory a setup may use on a device: one rule for ``estimate_memory`` and the planner.
 
 DESIGN.md, fitting rules: budget = ``max_memory`` if given; else ``total_memory x (1 -
-headroom)``, and no more than ``free_memory`` when the device is the one this process runs on.
+headroom)``, and no more than ``free_memory + own_memory`` (what is free plus what this process
+already holds there) when the device is the one this process runs on.
 What must fit is ``MemoryEstimate.upper``: what the step needs (``required``: the caching
 allocator frees its cached blocks and retries before an OOM) plus the margin of its uncertain
 terms.
@@ -77,9 +78,21 @@ def memory_budget(dev: DeviceInfo, *, headroom: float = DEFAULT_HEADROOM,
     total = dev.total_memory * (1 - headroom)
     budget = Budget(int(total), f"{1 - headroom:.0%} of {format_bytes(dev.total_memory)} "
                                 f"(headroom {headroom:g})")
-    if this_machine and dev.free_memory is not None and dev.free_memory < budget.bytes:
-        budget = Budget(int(dev.free_memory), "free memory on this machine now")
+    usable = usable_now(dev) if this_machine else None
+    if usable is not None and usable < budget.bytes:
+        own = f" + {format_bytes(dev.own_memory)} this process holds" if dev.own_memory else ""
+        budget = Budget(usable, f"free memory on this machine now{own}")
     return budget
+
+
+def usable_now(dev: DeviceInfo) -> int | None:
+    """What this process's run may use on its probed device: the free memory plus what the
+    process already holds there (its context, a model already moved to the GPU), which the
+    estimate counts again. Without the second term a rank that loaded its model before planning
+    would plan a smaller setup than one that had not."""
+    if dev.free_memory is None:
+        return None
+    return int(dev.free_memory) + int(dev.own_memory or 0)
 
 
 # A ROCm GPU is torch's ``cuda`` device: c10/hip/HIPCachingAllocator is c10/cuda's caching

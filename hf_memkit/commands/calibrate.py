@@ -215,7 +215,8 @@ def measure_check(setup: CheckSetup) -> dict[str, Any]:
 
     from .._compat import require
     from .._device.measure import reference_config
-    from .._device.probe import nvml_handle, probe_device
+    from .._device.nvml import nvml_handle
+    from .._device.probe import probe_device
     from .._estimate import estimate_memory
     from .._model.profile import build_model
     from .._run.synthetic import SyntheticTextDataset

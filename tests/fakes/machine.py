@@ -158,7 +158,7 @@ class Machine:
 def uuid_of(index: int, stem: str = "8932f937") -> str:
     """A full GPU UUID, distinct per index, with a shared 8-hex stem so prefixes are ambiguous
     until they reach the index digits."""
-    return f"GPU-{stem}-d72c-4106-c12f-{index:012x}"
+    return f"GPU-{stem}-d72c-4106-c12f-{index:04x}2e9b4d1a"
 
 
 def mig_uuid_of(gpu: int, slot: int) -> str:

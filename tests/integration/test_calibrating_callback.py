@@ -46,10 +46,10 @@ class FakeStats:
 
 @pytest.fixture
 def cuda_callback_env(cache, fake_cuda, monkeypatch):
-    """One fake A100 whose NVML used grows by 100 MiB a step (1000 MiB + 100 MiB x step)."""
-    gpu = dataclasses.replace(A100_80)
-    nvml = fake_cuda([gpu])
-    nvml.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=50, memory=10)
+    """One fake A100, idle but for this process, which holds 1000 MiB + 100 MiB x step."""
+    gpu = dataclasses.replace(A100_80, free=A100_80.total)
+    machine = fake_cuda([gpu])
+    gpu.hold = lambda n: machine.this.context.__setitem__(machine.gpus[0].uuid, n)
     stats = FakeStats()
     for name in ("memory_allocated", "memory_reserved", "max_memory_allocated",
                  "reset_peak_memory_stats"):
@@ -68,7 +68,8 @@ def used_at(step: int) -> int:
 def train_with(tmp_path, gpu, callback, *, steps=6, logging_steps=1):
     class Script(memory_mod.TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            gpu.free = gpu.total - used_at(state.global_step + 1)
+            if hasattr(gpu, "hold"):    # a fake CUDA machine is installed
+                gpu.hold(used_at(state.global_step + 1))
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_llama_config(hidden_size=64, intermediate_size=128,
