@@ -20,11 +20,12 @@ uncalibrated band.
 The band of a calibrated estimate is ``Calibration.rel_sigma``: never narrower than the
 residuals support (``band_factor``), never below ``SIGMA_FLOOR``.
 
-NVML figures are device-wide (``nvmlDeviceGetMemoryInfo(handle).used``, what ``nvidia-smi``
-shows): ``context`` is NVML used minus the allocator's reserved bytes, so that
-``reserved + context`` predicts NVML used of a training process on an otherwise idle GPU, the
-quantity ``MemoryEstimate.device_used`` stands for. It includes what the GPU shows with no
-process on it (the driver's own reservation, a few MiB to a few hundred MiB by driver).
+``device_used`` is what this process holds on its GPU: its CUDA context plus the caching
+allocator's segments (NVML's ``usedGpuMemory`` of the process; on an otherwise idle GPU, what
+``nvidia-smi``'s used rises by when the process starts). It never includes the driver's own
+reservation or another process. ``context`` is measured that way (this process's NVML entry,
+else NVML used less the used read before CUDA init) minus the allocator's reserved bytes, so
+that ``reserved + context`` predicts it. Residuals compare the same quantity.
 """
 
 from __future__ import annotations
@@ -78,10 +79,12 @@ class Calibration:
     torch: str = field(metadata=_help("torch.__version__ that measured."))
     cuda: str | None = field(metadata=_help("torch.version.cuda that measured."))
     context: int = field(metadata=_help(
-        "NVML used minus the allocator's reserved after a reference training step: the CUDA "
-        "context with the kernels a step loads lazily (device-wide, idle usage included)."))
+        "What this process holds (its NVML entry) minus the allocator's reserved after a "
+        "reference training step: the CUDA context with the kernels a step loads lazily; "
+        "neither the driver's reservation nor other processes."))
     context_at_init: int = field(metadata=_help(
-        "NVML used after CUDA init and one freed tiny tensor, reserved bytes excluded."))
+        "What this process holds after CUDA init and one freed tiny tensor, reserved bytes "
+        "excluded."))
     cublas_workspace: int = field(metadata=_help(
         "Allocator bytes the first matmuls keep for cuBLAS / cuBLASLt workspaces, forward "
         "thread plus the autograd thread."))

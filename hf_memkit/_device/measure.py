@@ -39,18 +39,25 @@ def reference_config():
     return type(base).from_dict(d)
 
 
-def _nvml_used(pynvml: Any, handle: Any) -> int:
-    return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
-
-
 def _warn_other_processes(pynvml: Any, handle: Any) -> None:
-    try:
-        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-    except Exception:  # not supported on every driver / MIG setup
-        return
-    if procs:
-        logger.warning("%d other process(es) use this GPU; their memory counts in the measured "
-                       "context. Calibrate on an idle GPU.", len(procs))
+    """Other tenants of the GPU do not enter the measurement (this process's own NVML entry, or
+    used less what was used before its context), but they change what a run may use: say so."""
+    from .nvml import processes, split_processes
+
+    _own, others = split_processes(processes(pynvml, handle))
+    if others:
+        logger.warning("other processes hold %s on this GPU: they are not counted in the "
+                       "calibration, but a run here has that much less to use",
+                       f"{others / GiB:.2f} GiB")
+
+
+def _open_context(device: torch.device) -> None:
+    """Create the CUDA context: one tiny tensor, made and freed, and the cache emptied."""
+    import torch
+
+    torch.zeros(1, device=device)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
 
 
 def _growth(device: torch.device, fn) -> int:
@@ -130,34 +137,35 @@ def _check_fresh(index: int) -> None:
 def measure_calibration(index: int = 0) -> Calibration:
     """Measure CUDA device ``index`` (CUDA only; call it in a fresh process).
 
-    1. NVML before CUDA init: free memory (6 GiB needed), other processes (warned), used
-       (logged; NVML figures are device-wide, so both contexts include it). Then
-       ``torch.cuda.init()``, one tiny tensor made and freed, ``empty_cache``:
-       ``context_at_init`` = NVML used - reserved.
+    1. NVML before CUDA init, through the device's own handle (a MIG instance's on MIG):
+       free memory (6 GiB needed), other processes (warned; not counted), and ``used``, the
+       baseline (the driver's reservation and the other tenants). Then ``torch.cuda.init()``,
+       one tiny tensor made and freed, ``empty_cache``: ``context_at_init`` = what this process
+       holds (``nvml.own_used``: its NVML process entry, else used - baseline) - reserved.
     2. ``cublas_workspace``: allocator growth across the first mm/addmm (forward) and the first
        backward, with every tensor freed (``_workspaces``). If CUDA had already run matmuls the
        growth is 0 and torch's documented default (``_cuda.cublas_workspace``) is used instead.
     3. 3 steps of the reference model (bf16 autocast where supported, else fp32; torch AdamW),
        peaks of steps 2..3: ``reserved_over_allocated``; then, after ``synchronize``,
-       ``context`` = NVML used - ``memory_reserved``.
+       ``context`` = what this process holds - ``memory_reserved``.
+
+    NVML refusing to read the device (``NVMLError``) is an ``HfMemkitError`` naming the cause.
     """
     import torch
 
     from .._compat import require
     from .._cuda.runtime import cublas_workspace
-    from .nvml import nvml_handle
+    from .nvml import nvml_handle, own_used
     from .probe import probe_device
 
     _check_fresh(index)
     pynvml = require("pynvml", "calibration (NVML readings of the CUDA context)")
     pynvml.nvmlInit()
     try:
-        handle = nvml_handle(pynvml, index)
+        handle = nvml_handle(pynvml, index)   # a MIG instance's own handle: no root needed
         _warn_other_processes(pynvml, handle)
         mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
-        free = int(mem.free)
-        logger.info("GPU %d before CUDA init: NVML used %d B (counted in both contexts)", index,
-                    int(mem.used))
+        free, baseline = int(mem.free), int(mem.used)
         if free < REFERENCE_MIN_FREE:
             raise HfMemkitError(f"calibration's reference step needs {REFERENCE_MIN_FREE // GiB} "
                                 f"GiB free on GPU {index}; {free / GiB:.2f} GiB are free")
@@ -165,10 +173,9 @@ def measure_calibration(index: int = 0) -> Calibration:
         device = torch.device("cuda", index)
         torch.cuda.init()
         torch.cuda.set_device(device)
-        torch.zeros(1, device=device)
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        context_at_init = _nvml_used(pynvml, handle) - int(torch.cuda.memory_reserved(device))
+        _open_context(device)
+        held = own_used(pynvml, handle, baseline)
+        context_at_init = held - int(torch.cuda.memory_reserved(device))
         dtypes = [torch.float32] + ([torch.bfloat16] if dev.supports_bf16 else [torch.float16])
         fwd, bwd = _workspaces(device, dtypes)
         workspace = fwd + max(0, bwd)  # bwd 0: the autograd thread shares the workspace
@@ -178,7 +185,13 @@ def measure_calibration(index: int = 0) -> Calibration:
             workspace = cublas_workspace(dev.compute_capability)
         peak_alloc, peak_reserved = _reference_step(device, dev.supports_bf16)
         torch.cuda.synchronize(device)
-        context = _nvml_used(pynvml, handle) - int(torch.cuda.memory_reserved(device))
+        context = own_used(pynvml, handle, baseline) - int(torch.cuda.memory_reserved(device))
+    except pynvml.NVMLError as exc:
+        raise HfMemkitError(f"NVML cannot read CUDA device {index}'s memory "
+                            f"({type(exc).__name__}: {exc}); calibration measures the CUDA "
+                            "context through NVML. On a MIG slice it reads the slice's own "
+                            "handle; if this persists, run as a user NVML permits or skip "
+                            "calibration (estimates use the uncalibrated band)") from None
     finally:
         try:
             pynvml.nvmlShutdown()

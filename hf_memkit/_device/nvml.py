@@ -140,3 +140,38 @@ def query(pynvml: Any, index: int, cuda_name: str) -> NvmlFacts:
     own, others = split_processes(processes(pynvml, handle))
     return NvmlFacts(name=name, total=int(mem.total), free=int(mem.free), mig=mig,
                      driver=driver, own=own, others=others)
+
+
+def own_used(pynvml: Any, handle: Any, baseline: int) -> int:
+    """What this process holds on the device now: its entry in NVML's process list, else (MIG
+    without root, drivers that list nothing) NVML v1 ``used`` less ``baseline``, the ``used``
+    read before this process created its context (the driver's reservation and the other
+    tenants then)."""
+    own, _others = split_processes(processes(pynvml, handle))
+    if own:
+        return own
+    return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used) - int(baseline)
+
+
+def pinned_entry(index: int) -> str:
+    """A ``CUDA_VISIBLE_DEVICES`` value naming CUDA device ``index`` of this process and no
+    other, for a child process: its full UUID (``GPU-...`` or, for a MIG instance, ``MIG-...``),
+    which means the same device whatever the child's order; else the index in CUDA's order.
+    Creates no CUDA context."""
+    uuid = cuda_uuid(index)
+    if uuid:
+        prefix = "GPU-"
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            try:
+                prefix = "MIG-" if nvml_lookup(pynvml, index)[1] else "GPU-"
+            finally:
+                pynvml.nvmlShutdown()
+        except Exception:   # no NVML: a MIG instance is not told apart; its GPU- form fails
+            pass
+        return prefix + uuid
+    entries = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+               if v.strip()]
+    return entries[index] if index < len(entries) else str(index)

@@ -206,6 +206,23 @@ def local_device_index(count: int) -> int:
     return 0
 
 
+def pin_one_device(environ: Any = None) -> str | None:
+    """Keep a one-process run on one GPU: outside torchrun (no ``WORLD_SIZE`` above 1), set
+    ``CUDA_VISIBLE_DEVICES`` to its first entry, or to ``0`` (CUDA's first device) when unset,
+    so that transformers does not wrap the model in ``nn.DataParallel`` over every GPU it sees.
+    Call before CUDA is initialised (CUDA reads the variable once). Returns the value set, or
+    None when nothing changed."""
+    env = os.environ if environ is None else environ
+    if int(env.get("WORLD_SIZE", "1") or 1) > 1:
+        return None
+    current = env.get("CUDA_VISIBLE_DEVICES")
+    entries = [e.strip() for e in (current or "").split(",") if e.strip()]
+    if current is not None and len(entries) <= 1:
+        return None
+    env["CUDA_VISIBLE_DEVICES"] = entries[0] if entries else "0"
+    return env["CUDA_VISIBLE_DEVICES"]
+
+
 _WARNED: set[str] = set()   # keys of the warnings already given in this process
 
 NVML_MISSING = ("nvidia-ml-py is not installed, so NVML readings are lost: the driver version, "

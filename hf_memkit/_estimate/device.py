@@ -12,7 +12,7 @@ from typing import Any
 
 from .._cuda.allocator import AllocatorConfig
 from .._cuda.runtime import CALIBRATION, CudaRuntime, cublas_workspace, nccl_buffers
-from .._device.calibration import SIGMA_FLOOR, Calibration, find_calibration
+from .._device.calibration import Calibration, find_calibration
 from .._device.probe import DeviceInfo
 from .._model.facts import layer_count
 from .._model.spec import ModelSpec
@@ -179,6 +179,34 @@ class _Replay:
             store.TraceStore().put(self.key, figures)
 
 
+def _calibration_notes(runtime: CudaRuntime, cal: Calibration | None, sigmas: dict[str, int],
+                       margin: int, emulated: bool) -> list[str]:
+    """Where the context and workspaces come from, and which band the margin is."""
+    notes = [runtime.note() if cal is None else
+             f"CUDA {runtime.version}: context {format_bytes(cal.context)} and cuBLAS "
+             f"workspaces measured on this GPU (calibration {cal.path})"]
+    if "calibration residuals" in sigmas:
+        return notes + [
+            f"uncertainty from {len(cal.residuals)} measured residuals of this GPU: 1 sigma "
+            f"{cal.rel_sigma:.1%} of device_used (their RMS {cal.residual_rms:.1%} widened to "
+            f"what {len(cal.residuals)} residuals support), wider than the per-term band, "
+            "which it replaces"]
+    notes.append(_margin_note(margin, emulated))
+    if cal is not None and cal.rel_sigma is not None:
+        notes.append(f"{len(cal.residuals)} measured residuals of this GPU (1 sigma "
+                     f"{cal.rel_sigma:.1%}) fall within the per-term band: residuals of other "
+                     "models and shapes never narrow this one's")
+    return notes
+
+
+def widened(cal: Any, used: int, margin: int) -> bool:
+    """Whether a calibration's residuals give a wider margin than the per-term band. They
+    never narrow it: ``calibrate --check`` residuals are the reference model's own, in sample,
+    and residuals of other runs say little of another model's terms (issue 25)."""
+    return (cal is not None and cal.rel_sigma is not None
+            and int(2 * cal.rel_sigma * used) > margin)
+
+
 def _band(parts: dict[str, int], runtime: CudaRuntime, frag_at_fit: int,
           nccl: int, emulated: bool) -> dict[str, int]:
     """1-sigma bytes of each uncertain term (``CudaCalibration`` says where each comes from).
@@ -274,11 +302,12 @@ def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: Optimize
         """(required, margin, sigmas) when the step needs ``frag_at_fit`` over its live bytes."""
         # (the smallest capacity is found to a resolution: never above what the device shows)
         required = min(used, allocated + frag_at_fit + parts["context"] + resident)
-        if cal is not None and cal.rel_sigma is not None:
+        sigmas = _band(band_parts, runtime, frag_at_fit, nccl, emulated)
+        margin = int(2 * math.sqrt(sum(v * v for v in sigmas.values())))
+        if widened(cal, used, margin):   # residuals only ever widen the per-term band
             margin = int(2 * cal.rel_sigma * used)
             return required, margin, {"calibration residuals": margin // 2}
-        sigmas = _band(band_parts, runtime, frag_at_fit, nccl, emulated)
-        return required, int(2 * math.sqrt(sum(v * v for v in sigmas.values()))), sigmas
+        return required, margin, sigmas
 
     required, margin, sigmas = at(frag_on_device)
     if fit and fit_budget is not None and required + margin > fit_budget:
@@ -289,16 +318,7 @@ def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: Optimize
     if fit and fit.smallest is not None and (fit_budget is None or required + margin
                                              > fit_budget):
         required, margin, sigmas = at(max(0, fit.smallest() - fit.peak_allocated))
-    notes = [runtime.note() if cal is None else
-             f"CUDA {runtime.version}: context {format_bytes(cal.context)} and cuBLAS "
-             f"workspaces measured on this GPU (calibration {cal.path})"]
-    if cal is not None and cal.rel_sigma is not None:
-        notes.append(f"uncertainty from {len(cal.residuals)} measured residuals of this GPU: "
-                     f"1 sigma {cal.rel_sigma:.1%} of device_used (their RMS "
-                     f"{cal.residual_rms:.1%} widened to what {len(cal.residuals)} residuals "
-                     f"support, at least {SIGMA_FLOOR:.1%})")
-    else:
-        notes.append(_margin_note(margin, emulated))
+    notes = _calibration_notes(runtime, cal, sigmas, margin, emulated)
     notes += _allocator_notes(fit, dev, required, allocated)
     if nccl:
         notes.append(f"NCCL communicator buffers: {format_bytes(nccl)} per rank")

@@ -16,7 +16,7 @@ class MemoryEstimate:
 
     peak_allocated: int = field(metadata={"help": "Max live tensor bytes (max_memory_allocated)."})
     peak_reserved: int = field(metadata={"help": "Caching-allocator reserved at peak when nothing presses (CPU: = allocated)."})
-    device_used: int = field(metadata={"help": "What NVML shows on this device: reserved (which the allocator keeps within the device's memory by freeing its cache) + context."})
+    device_used: int = field(metadata={"help": "What this process holds on the device, as NVML lists it per process: reserved (which the allocator keeps within the device's memory by freeing its cache) + CUDA context + NCCL buffers; never the driver's reservation or other processes (on an idle GPU, what nvidia-smi's used rises by)."})
     breakdown: dict[str, int] = field(metadata={
         "help": "weights, gradients, optimizer, activations, temporaries (sum to peak_allocated); "
                 "fragmentation, context; optimizer_paged when a paged optimizer keeps state in "

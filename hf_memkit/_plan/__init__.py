@@ -56,7 +56,8 @@ def search_for(req: PlanRequest) -> tuple[Search, list[Candidate]]:
                   req.per_rank, req.nodes)
     s = Search(req, book, ctx, shape, methods, req.budget(), req.host_budget())
     said = [i.message for i in req.precision_issues()]  # the refused: the request's problems
-    said += [w for w in [book.base.positions_warning(req.seq_len)] if w]
+    said += [w for w in [book.base.positions_warning(req.seq_len),
+                         req.data_parallel_warning()] if w]
     for message in said:
         s.notes.append(message)
         warnings.warn(message, UserWarning, stacklevel=3)

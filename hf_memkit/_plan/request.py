@@ -10,6 +10,7 @@ this process runs on; the effective batch (micro-batch x accumulation x ranks) e
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple
@@ -232,6 +233,22 @@ class PlanRequest:
         return precision_issues(self.dev, bf16=self.pins.get("bf16") is True,
                                 fp16=self.pins.get("fp16") is True,
                                 tf32=self.pins.get("tf32") is True)
+
+    def data_parallel_warning(self) -> str | None:
+        """A one-process plan on a machine whose process sees several GPUs, outside torchrun:
+        transformers then sets ``n_gpu`` to the device count and wraps the model in
+        ``nn.DataParallel`` (the batch split over the GPUs, outputs gathered on GPU 0), which
+        no plan models."""
+        dev = self.dev
+        if not (self.probed and dev.kind == "cuda" and dev.count > 1 and self.ranks == 1
+                and int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1):
+            return None
+        return (f"this process sees {dev.count} GPUs and was not started by torchrun: "
+                "transformers' Trainer would wrap the model in nn.DataParallel (the batch split "
+                "over the GPUs, outputs gathered on GPU 0), which this one-GPU plan does not "
+                f"model. Train on one GPU with CUDA_VISIBLE_DEVICES=0 (`hf-memkit train` pins "
+                f"one itself), or on all of them with num_gpus={dev.count} and torchrun "
+                f"--nproc-per-node {dev.count}")
 
     def _rank_problems(self) -> list[Problem]:
         ranks, nodes = self.ranks, self.nodes

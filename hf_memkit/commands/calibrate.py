@@ -144,18 +144,13 @@ _CHILD = ("import sys; from hf_memkit.commands.calibrate import worker_main; "
           "sys.exit(worker_main(sys.argv[1:]))")
 
 
-def visible_entry(index: int) -> str:
-    """The ``CUDA_VISIBLE_DEVICES`` entry of CUDA device ``index`` of this process."""
-    entries = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-               if v.strip()]
-    return entries[index] if index < len(entries) else str(index)
-
-
 def run_worker(kind: str, payload: dict[str, Any], index: int) -> dict[str, Any]:
     """Run ``worker_main`` (``kind`` = "measure" or "check") in a fresh process that sees only
     CUDA device ``index``; its JSON result. Bad input there raises ``HfMemkitError`` here, any
     other failure ``TrainingFailed``."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible_entry(index))
+    from .._device.nvml import pinned_entry
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=pinned_entry(index))
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
     with tempfile.TemporaryDirectory(prefix="hf_memkit_calibrate_") as tmp:
         out = os.path.join(tmp, "result.json")
@@ -231,7 +226,9 @@ def measure_check(setup: CheckSetup) -> dict[str, Any]:
                                 num_samples=setup.batch * CHECK_STEPS)
     pynvml.nvmlInit()
     try:
-        probe = step_probe_class()(CHECK_STEPS, pynvml, nvml_handle(pynvml, 0))
+        handle = nvml_handle(pynvml, 0)   # no CUDA context yet: used is the baseline
+        baseline = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+        probe = step_probe_class()(CHECK_STEPS, pynvml, handle, baseline)
         with tempfile.TemporaryDirectory(prefix="hf_memkit_check_") as out:
             args = TrainingArguments(output_dir=out, max_steps=CHECK_STEPS, report_to=[],
                                      save_strategy="no", disable_tqdm=True, learning_rate=1e-4,
@@ -252,12 +249,15 @@ def step_probe_class() -> type:
     import torch
     from transformers import TrainerCallback
 
+    from .._device.nvml import own_used
+
     class StepProbe(TrainerCallback):
         """Resets the CUDA peaks after step 1; at step ``steps`` (after ``synchronize``) reads
-        max allocated, max reserved and NVML used (plus reserved bytes freed since the peak)."""
+        max allocated, max reserved and what this process holds (``nvml.own_used``: its NVML
+        entry, else used less ``baseline``), plus reserved bytes freed since the peak."""
 
-        def __init__(self, steps: int, pynvml: Any, handle: Any):
-            self.steps, self.pynvml, self.handle = steps, pynvml, handle
+        def __init__(self, steps: int, pynvml: Any, handle: Any, baseline: int):
+            self.steps, self.pynvml, self.handle, self.baseline = steps, pynvml, handle, baseline
             self.result: dict[str, int] | None = None
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -267,7 +267,7 @@ def step_probe_class() -> type:
             elif state.global_step == self.steps:
                 torch.cuda.synchronize()
                 reserved = int(torch.cuda.max_memory_reserved())
-                used = int(self.pynvml.nvmlDeviceGetMemoryInfo(self.handle).used)
+                used = own_used(self.pynvml, self.handle, self.baseline)
                 freed = max(0, reserved - int(torch.cuda.memory_reserved()))
                 self.result = {"allocated": int(torch.cuda.max_memory_allocated()),
                                "reserved": reserved, "device_used": used + freed}

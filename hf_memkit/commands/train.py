@@ -187,8 +187,11 @@ def interrupted(exc: BaseException, command: str = "train") -> int:
 
 
 def train_command(args: argparse.Namespace) -> int:
+    from .._device.probe import pin_one_device
+
     try:
         reexec_with_mmap_threshold(args.recipe)
+        pin_one_device()   # one process trains on one GPU, never nn.DataParallel over all
         return run_train(args.recipe, output_dir=args.output_dir, max_steps=args.max_steps,
                          pins=dict(args.fields), as_json=args.json, overwrite=args.overwrite,
                          push_to_hub=args.push_to_hub, report_to=args.report_to)

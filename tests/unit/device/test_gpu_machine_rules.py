@@ -148,3 +148,50 @@ def test_ranks_plan_the_same_setup_whether_or_not_rank_0_loaded_its_model(machin
     # what every rank got before: GPU 0, after rank 0 loaded its model, counted as used
     assert _plan(mk.probe_device(0).replace(own_memory=0)) != chosen0
     assert rank0.context and uuid_of(0) not in rank1.context
+
+
+# --- defect 9: one process on a multi-GPU machine becomes nn.DataParallel ----------------------
+
+@pytest.mark.parametrize("env, expect", [
+    ({}, "0"),                                      # CUDA's first device, and only it
+    ({"CUDA_VISIBLE_DEVICES": "1,0"}, "1"),          # the first the user listed
+    ({"CUDA_VISIBLE_DEVICES": "1"}, None),           # already one
+    ({"WORLD_SIZE": "2", "LOCAL_RANK": "1"}, None),  # torchrun: each rank has its device
+])
+def test_one_process_is_pinned_to_one_gpu(machine, monkeypatch, env, expect):
+    from hf_memkit._device.probe import pin_one_device
+
+    machine([a100(0x07, 0), a100(0x41, 1)])
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert pin_one_device() == expect
+    assert torch.cuda.device_count() == (2 if "WORLD_SIZE" in env else 1)
+
+
+def test_hf_memkit_train_pins_one_gpu_before_it_trains(machine, monkeypatch):
+    from hf_memkit.commands import train as train_cmd
+    from hf_memkit.commands.main import main
+
+    machine([a100(0x07, 0), a100(0x41, 1)])
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    seen = {}
+
+    def run_train(recipe, **kw):
+        seen["visible"], seen["count"] = (__import__("os").environ.get("CUDA_VISIBLE_DEVICES"),
+                                          torch.cuda.device_count())
+        return 0
+
+    monkeypatch.setattr(train_cmd, "run_train", run_train)
+    monkeypatch.setattr(train_cmd, "reexec_with_mmap_threshold", lambda ref: None)
+    assert main(["train", "9m_sft_cpu"]) == 0
+    assert seen == {"visible": "0", "count": 1}
+
+
+def test_a_one_gpu_plan_on_a_two_gpu_process_warns_about_data_parallel(machine, monkeypatch):
+    machine([a100(0x07, 0), a100(0x41, 1)])
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.warns(UserWarning, match=r"sees 2 GPUs and was not started by torchrun.*"
+                                         r"nn\.DataParallel"):
+        p = mk.plan_training(TINY, seq_len=256, target_batch_size=8)
+    assert any("nn.DataParallel" in n for n in p.notes)
