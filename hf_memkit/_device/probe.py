@@ -62,6 +62,10 @@ class DeviceInfo:
                 "and the caching allocator's segments; NVML's process list, else torch's "
                 "reserved). free_memory + own_memory is what this process's run may use; "
                 "None off a probed CUDA device."})
+    others_memory: int | None = field(default=None, metadata={
+        "help": "Bytes other processes held on the device when probed (NVML's process list; "
+                "None where NVML does not list them, e.g. MIG without root): tenants the "
+                "budget leaves their memory to."})
     vendor: str | None = field(default=None, metadata={
         "help": "'nvidia' (CUDA), 'amd' (ROCm: kind 'cuda', HIP underneath), 'apple' (MPS); "
                 "None on CPU or when unknown."})
@@ -273,9 +277,10 @@ def _probe_cuda(index: int, count: int) -> DeviceInfo:
     nvml = _nvml_query(index, str(props.name))
     if nvml is not None:
         free, total, name, source, own = nvml.free, nvml.total, nvml.name, "nvml", nvml.own
+        others = nvml.others
     else:
         free, total = _torch_mem_get_info(index, props)
-        name, source, own = str(props.name), "torch.cuda", _torch_own(index)
+        name, source, own, others = str(props.name), "torch.cuda", _torch_own(index), None
     spec = lookup(name)
     rocm = getattr(torch.version, "hip", None) is not None  # AMD: cc is the gfx major.minor
     return DeviceInfo(
@@ -293,6 +298,7 @@ def _probe_cuda(index: int, count: int) -> DeviceInfo:
         mig=bool(nvml and nvml.mig),
         source=source,
         own_memory=own,
+        others_memory=others,
         catalog_name=spec.name if spec else None,
         peak_tflops=dict(spec.tflops) if spec else {},
         memory_bandwidth=spec.memory_bandwidth if spec else None,

@@ -81,7 +81,9 @@ def memory_budget(dev: DeviceInfo, *, headroom: float = DEFAULT_HEADROOM,
     usable = usable_now(dev) if this_machine else None
     if usable is not None and usable < budget.bytes:
         own = f" + {format_bytes(dev.own_memory)} this process holds" if dev.own_memory else ""
-        budget = Budget(usable, f"free memory on this machine now{own}")
+        others = (f"; other processes hold {format_bytes(dev.others_memory)}"
+                  if dev.others_memory else "")
+        budget = Budget(usable, f"free memory on this machine now{own}{others}")
     return budget
 
 

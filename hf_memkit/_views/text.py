@@ -113,6 +113,10 @@ def device_table(dev: DeviceInfo, title: str = "Device") -> Table:
         ("name", dev.name), ("kind", dev.kind), ("count", str(dev.count)),
         ("total memory", format_bytes(dev.total_memory)),
         ("free memory", format_bytes(dev.free_memory)),
+        *([("held by this process", format_bytes(dev.own_memory))]
+          if dev.own_memory is not None else []),
+        *([("held by other processes", format_bytes(dev.others_memory))]
+          if dev.others_memory is not None else []),
         ("compute capability", cc),
         ("bf16 / tf32 / fp16 tensor cores",
          " / ".join("yes" if x else "no" for x in (dev.supports_bf16, dev.supports_tf32,

@@ -106,8 +106,9 @@ def gpu_machine(monkeypatch):
     """``gpu_machine(gpus)``: tests.fakes' machine with NVML and torch.cuda installed."""
     from tests.fakes import Machine, install_cuda, install_nvml
 
-    for var in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
+    for var in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.setenv(var, "")     # recorded, so that what the code under test sets
+        monkeypatch.delenv(var)         # is undone after the test
 
     def make(gpus):
         m = Machine(gpus)

@@ -21,8 +21,9 @@ from tests.fakes.machine import Process
 @pytest.fixture
 def machine(monkeypatch):
     """Install a Machine: ``machine(gpus, root=False)`` with nvidia-ml-py and torch.cuda."""
-    for var in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
+    for var in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.setenv(var, "")     # recorded, so that what the code under test sets
+        monkeypatch.delenv(var)         # is undone after the test
 
     def make(gpus, **kw):
         m = Machine(gpus, **kw)
@@ -116,6 +117,7 @@ def test_memory_this_process_holds_counts_as_usable_by_its_run(machine):
     budget = memory_budget(after, headroom=0.05, this_machine=True)
     assert budget.bytes == memory_budget(before, headroom=0.05, this_machine=True).bytes
     assert budget.bytes == m.gpus[0].total - m.gpus[0].reserved - 10 * GiB  # the tenant's, not ours
+    assert after.others_memory == 10 * GiB and "other processes hold 10.00 GiB" in budget.basis
 
 
 # --- defect 1: DDP ranks plan different setups ------------------------------------------------
