@@ -81,10 +81,13 @@ def rel_errors(rec: dict[str, Any]) -> dict[str, float | None]:
 
 def summarise(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per metric over the ok runs: n, median and median |.| of the relative error, the worst
-    (signed, largest magnitude) and the count of under-predictions (error < 0)."""
+    (signed, largest magnitude) and the count of under-predictions (error < 0). A run whose
+    window held no real optimizer step (fp16 skipped them all) is left out: its figures miss
+    the optimizer state the estimate counts."""
     out = {}
     for k in METRICS:
         errs = [e for r in records if r.get("status") == "ok"
+                and not (r.get("flags") or {}).get("window_without_optimizer_step")
                 for e in [rel_errors(r).get(k)] if e is not None]
         out[k] = {"n": len(errs),
                   "median": statistics.median(errs) if errs else None,
@@ -144,5 +147,6 @@ def progress_line(i: int, n: int, rec: dict[str, Any]) -> str:
     cols = " ".join(f"{k} {_mib(meas[k])}/{_mib(pred[k])} MiB ({_pct(err.get(k))})"
                     for k in METRICS)
     est_err = (rec.get("estimate") or {}).get("error")
-    return f"{head} {rec['seconds']:5.1f}s {cols}" + (f"  estimate: {est_err[:80]}" if est_err
-                                                      else "")
+    flags = " ".join(f"{k}={v}" for k, v in (rec.get("flags") or {}).items())
+    return (f"{head} {rec['seconds']:5.1f}s {cols}" + (f"  estimate: {est_err[:80]}" if est_err
+                                                       else "") + (f"  [{flags}]" if flags else ""))
