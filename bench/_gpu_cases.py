@@ -6,7 +6,9 @@ anywhere. Models are built from configs with random weights (no downloads): bund
 below (Qwen2.5-0.5B / 1.5B, gpt2-medium, t5-base), some shortened to keep the matrix short.
 
 Sizes are picked so that the whole matrix runs in about 7 minutes on one H100 (8.5 minutes at
-most): 51 cases, 47 without bitsandbytes, each ~6-12 s (the 7 TRL / Liger ones ~10-15 s: TRL's
+most; timed with 51 cases, before the two ``load="pretrained"`` ones of issue 25 and a fresh
+calibration cache per child, which makes each estimate build its traces anew): 53 cases, 49
+without bitsandbytes, each ~6-12 s (the 7 TRL / Liger ones ~10-15 s: TRL's
 import and dataset preparation), almost all of it the child process's start (imports, CUDA
 context, model init on the GPU); the 3 measured steps of every case take well under 2 s of GPU
 time (the largest, Qwen2.5-1.5B at 4 x 1024 tokens with checkpointing, does ~50 TFLOP per step).
@@ -30,6 +32,9 @@ METHODS = ("full", "lora", "qlora")
 STAGES = ("train", "forward_backward")
 # transformers.Trainer, trl.SFTTrainer, trl.DPOTrainer
 TRAINERS = ("trainer", "sft", "dpo")
+# how the model is built: from_config straight on the device, or saved then
+# from_pretrained(dir, device_map=<device>) (transformers' caching_allocator_warmup runs)
+LOADS = ("config", "pretrained")
 # optimizer each method/optim needs beyond torch + transformers (+ peft for LoRA)
 OPTIM_NEEDS = {"adamw_bnb_8bit": ("bitsandbytes",)}
 METHOD_NEEDS = {"full": (), "lora": ("peft",), "qlora": ("peft", "bitsandbytes")}
@@ -158,6 +163,11 @@ class Case:
                 "(torch.cuda.set_per_process_memory_fraction((required - context) / total)): "
                 "issue #24's fit test says the step completes there, freeing cached blocks "
                 "instead of growing; the run records whether it did (a GPU only)."})
+    load: str = field(default="config", metadata={
+        "help": "One of LOADS: 'config' builds the random model on the device (from_config); "
+                "'pretrained' saves it to a temporary folder and loads it with "
+                "from_pretrained(dir, device_map=<device>), whose caching_allocator_warmup "
+                "reserves one model-sized block first (QLoRA always loads that way)."})
 
     def __post_init__(self) -> None:
         problems = []
@@ -182,6 +192,10 @@ class Case:
                             "'sft' or 'dpo'")
         if self.liger and self.stage != "train":
             problems.append("liger is a Trainer argument (use_liger_kernel): it needs stage train")
+        if self.load not in LOADS:
+            problems.append(f"load `{self.load}` not in {LOADS}")
+        elif self.load == "pretrained" and self.method == "qlora":
+            problems.append("a qlora case loads with from_pretrained already: keep load 'config'")
         if self.steps < 2:
             problems.append("steps must be >= 2 (step 1 is warm-up, steps 2.. are measured)")
         if problems:
@@ -223,6 +237,8 @@ class Case:
             parts.append(f"{self.steps}steps")
         if self.at_required:
             parts.append("at-required")
+        if self.load != "config":
+            parts.append(self.load)
         shape = f"b{self.batch}s{self.seq_len}" + (f"t{self.target_len}" if self.target_len else "")
         return ".".join([*parts, shape])
 
@@ -236,7 +252,7 @@ class Case:
                 "accum": self.accum, "batch": self.batch, "seq": self.seq_len,
                 "target": self.target_len or "-", "stage": self.stage, "steps": self.steps,
                 "liger": "on" if self.liger else "off",
-                "trl_offload": "on" if self.trl_offload else "off",
+                "trl_offload": "on" if self.trl_offload else "off", "load": self.load,
                 "attn_dropout": MODELS[self.model].attention_dropout(),
                 "needs": ",".join(self.needs) or "-"}
 
@@ -330,6 +346,11 @@ CASES: tuple[Case, ...] = (
     _c("qwen2-0.5b", "amp_bf16", ckpt=True, method="lora", seq_len=4096, steps=6),
     _c("llama-160m", "amp_bf16", "adamw_torch_fused", batch=8, ckpt=True, at_required=True),
     _c("qwen2-0.5b", "amp_bf16", ckpt=True, method="lora", seq_len=4096, at_required=True),
+    # issue #25: the model saved, then loaded as users load it, from_pretrained(dir,
+    # device_map="cuda"): transformers' caching_allocator_warmup reserves a model-sized block
+    # first; reserved vs allocated after the load, then the same training
+    _c("llama-160m", "amp_bf16", "adamw_torch_fused", batch=8, load="pretrained"),
+    _c("gpt2-124m", "pure_bf16", load="pretrained", **FB),
 )
 
 

@@ -1,23 +1,36 @@
 """GPU ground truth: real ``transformers.Trainer`` runs (and TRL's ``SFTTrainer`` /
 ``DPOTrainer``) on one CUDA GPU, measured, next to the estimate hf_memkit makes of the same run.
 
-    python bench/gpu_truth.py [--out DIR] [--only SUBSTR ...] [--timeout S] [--list]
+    python bench/gpu_truth.py [--out DIR] [--only SUBSTR ...] [--timeout S] [--gpu INDEX] [--list]
 
 Each case of ``bench/_gpu_cases.py`` (models built from configs with random weights, synthetic
 tokens, nothing downloaded) runs in its own child process (``--run-one``), so the CUDA context and
-the peaks are clean:
-  * NVML ``used`` of this process's GPU (the first visible one) is read before CUDA is
-    initialised and after ``torch.cuda.init()`` + a synchronise: their difference is the context
-    before any tensor;
+the peaks are clean. Every child sees one device only: ``CUDA_VISIBLE_DEVICES`` is the full UUID of
+CUDA device ``--gpu`` (NVML's, else "GPU-"/"MIG-" + torch's), so the Trainer never wraps the model
+in ``nn.DataParallel`` (``n_gpu`` = visible devices); a probe child must see exactly that one device
+(and NVML that card) or nothing is measured. Each child has a fresh ``HF_MEMKIT_CACHE``: no
+calibration or trace the user stored shapes the estimate. In the child:
+  * NVML ``used`` of the device (its NVML handle found by the UUID torch reports, else its PCI
+    address: NVML's and CUDA's indices differ, ``_gpu_nvml``) is read before CUDA is initialised
+    and after ``torch.cuda.init()`` + a synchronise: their difference is the context before any
+    tensor; the other processes on the device (pid, bytes) are listed;
+  * ``hf_memkit.estimate_memory`` of the same setup (device = ``probe_device()``,
+    ``cuda_version=torch.version.cuda``) comes first, so it is kept whatever the run does; a
+    failing estimate is recorded as its error;
   * the run takes ``steps`` (3) optimizer steps (or, for ``stage="forward_backward"``, 3 passes of
     ``zero_grad(set_to_none=True); model(**batch).loss.backward()``, no optimizer). After step 1
     the allocator's peaks are reset (``torch.cuda.reset_peak_memory_stats``) and a thread samples
     NVML every 5 ms; after the last step the window closes: steady-state
-    ``max_memory_allocated`` / ``max_memory_reserved``, the NVML peak and the NVML value after the
-    window. Step 1's peaks (model build included) give the whole-run peak;
-  * then, in the same child, ``hf_memkit.estimate_memory`` of the same setup (device =
-    ``probe_device()``, ``cuda_version=torch.version.cuda``). A failing estimate is recorded as
-    its error; the measurement is kept.
+    ``max_memory_allocated`` / ``max_memory_reserved``, the allocator's ``num_alloc_retries`` and
+    ``num_ooms``, the NVML peak and value after the window, the other processes. Step 1's peaks
+    (model build included) give the whole-run peak. Each optimizer step logs fp16's GradScaler
+    scale and the optimizer state's size: a step whose scale fell was skipped (no optimizer
+    state yet), and a window without a real step is flagged and left out of the error table;
+  * a run out of device memory is recorded as ``oom``, with the estimate and what it had
+    measured so far (peaks, step 1, the NVML peak of the open window);
+  * a ``load="pretrained"`` case saves the model and loads it with ``from_pretrained(dir,
+    device_map="cuda")`` (transformers' caching_allocator_warmup reserves a model-sized block
+    first): allocated and reserved after the load are recorded.
 The measured ``device_used`` is the NVML peak minus NVML used before CUDA init (what this process
 added: reserved + context + workspaces); both raw values are recorded. NVML comes from
 ``pynvml`` (nvidia-ml-py), else ``libnvidia-ml.so.1`` through ctypes, else (no baseline)
@@ -42,7 +55,6 @@ its measurements are zeros); it records Liger and TRL activation-offloading case
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import datetime
 import gc
@@ -52,15 +64,12 @@ import json
 import os
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,12 +80,35 @@ for _p in (str(ROOT), str(BENCH)):  # hf_memkit from this checkout, no install n
         sys.path.insert(0, _p)
 
 from _gpu_cases import MODELS, PRECISION_ARGS, Case, select  # noqa: E402
+from _gpu_facts import (  # noqa: E402
+    case_flags,
+    is_oom,
+    largest_segments,
+    load_facts,
+    oom_facts,
+    optimizer_step_facts,
+    step_record,
+)
+from _gpu_nvml import PeakSampler, open_nvml, pin_device, reader_processes  # noqa: E402,F401
+from _gpu_report import (  # noqa: E402,F401  (the tests read them here)
+    METRICS,
+    _jsonable,
+    measured_values,
+    predicted_values,
+    print_summary,
+    progress_line,
+    rel_errors,
+    render_summary,
+    result_filename,
+    sanitize,
+    summarise,
+    unique_path,
+    write_json,
+)
 
 MARK = "@@GPU_TRUTH "
 DEFAULT_OUT = BENCH / "results" / "gpu"
-SCHEMA = 1
-METRICS = ("allocated", "reserved", "device_used")
-SAMPLE_INTERVAL_S = 0.005
+SCHEMA = 2  # 2: pinned device, oom status, flags, estimate before the run
 # imported by the probe child (cases and hf_memkit need them); the heavy ones only looked up
 IMPORT_CHECK = ("peft", "bitsandbytes", "pynvml", "rich", "yaml", "psutil", "hf_memkit")
 LOOKUP_ONLY = ("deepspeed", "trl", "liger_kernel")
@@ -84,187 +116,6 @@ AUTO_CLASS = {"causal-lm": "AutoModelForCausalLM",
               "sequence-classification": "AutoModelForSequenceClassification",
               "seq2seq-lm": "AutoModelForSeq2SeqLM"}
 FB_LOOP = "per pass: model.zero_grad(set_to_none=True); model(**batch).loss.backward()"
-
-
-# --------------------------------------------------------------------------------------------
-# NVML: device-wide memory in use on this process's GPU
-# --------------------------------------------------------------------------------------------
-class _NvmlMemory(ctypes.Structure):  # nvmlMemory_t (v1)
-    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong),
-                ("used", ctypes.c_ulonglong)]
-
-
-def _nvml_handle(by_index: Callable[[int], Any], by_uuid: Callable[[str], Any], index: int) -> Any:
-    """NVML enumerates in PCI order, CUDA in CUDA_VISIBLE_DEVICES order: map one to the other."""
-    entries = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-               if v.strip()]
-    if index < len(entries):
-        entry = entries[index]
-        try:
-            return by_index(int(entry)) if entry.isdigit() else by_uuid(entry)
-        except Exception:
-            pass
-    return by_index(index)
-
-
-class _PyNvml:
-    source = "pynvml"
-
-    def __init__(self, index: int):
-        import pynvml  # nvidia-ml-py
-
-        pynvml.nvmlInit()
-        self.m = pynvml
-        self.h = _nvml_handle(pynvml.nvmlDeviceGetHandleByIndex,
-                              pynvml.nvmlDeviceGetHandleByUUID, index)
-
-    def used(self) -> int | None:
-        return int(self.m.nvmlDeviceGetMemoryInfo(self.h).used)
-
-    def name(self) -> str:
-        n = self.m.nvmlDeviceGetName(self.h)
-        return n.decode() if isinstance(n, bytes) else str(n)
-
-    def driver(self) -> str:
-        d = self.m.nvmlSystemGetDriverVersion()
-        return d.decode() if isinstance(d, bytes) else str(d)
-
-    def close(self) -> None:
-        self.m.nvmlShutdown()
-
-
-class _CtypesNvml:
-    """The same four NVML calls straight from the driver's library (no nvidia-ml-py needed)."""
-
-    source = "libnvidia-ml.so.1 (ctypes)"
-
-    def __init__(self, index: int):
-        self.lib = ctypes.CDLL("libnvidia-ml.so.1")
-        self._ok(self.lib.nvmlInit_v2())
-        self.h = _nvml_handle(self._by_index, self._by_uuid, index)
-
-    @staticmethod
-    def _ok(rc: int) -> None:
-        if rc != 0:
-            raise RuntimeError(f"NVML call failed with nvmlReturn_t {rc}")
-
-    def _by_index(self, i: int) -> ctypes.c_void_p:
-        h = ctypes.c_void_p()
-        self._ok(self.lib.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(i), ctypes.byref(h)))
-        return h
-
-    def _by_uuid(self, uuid: str) -> ctypes.c_void_p:
-        h = ctypes.c_void_p()
-        self._ok(self.lib.nvmlDeviceGetHandleByUUID(ctypes.c_char_p(uuid.encode()),
-                                                     ctypes.byref(h)))
-        return h
-
-    def used(self) -> int | None:
-        mem = _NvmlMemory()
-        self._ok(self.lib.nvmlDeviceGetMemoryInfo(self.h, ctypes.byref(mem)))
-        return int(mem.used)
-
-    def _text(self, fn: Any, *args: Any) -> str:
-        buf = ctypes.create_string_buffer(96)
-        self._ok(fn(*args, buf, ctypes.c_uint(96)))
-        return buf.value.decode(errors="replace")
-
-    def name(self) -> str:
-        return self._text(self.lib.nvmlDeviceGetName, self.h)
-
-    def driver(self) -> str:
-        return self._text(self.lib.nvmlSystemGetDriverVersion)
-
-    def close(self) -> None:
-        self.lib.nvmlShutdown()
-
-
-class _TorchMemInfo:
-    """No NVML: device-wide ``total - free`` from CUDA, readable only once CUDA is initialised."""
-
-    source = "torch.cuda.mem_get_info (no NVML: no reading before CUDA init)"
-
-    def __init__(self, index: int):
-        self.index = index
-
-    def used(self) -> int | None:
-        import torch
-
-        if not torch.cuda.is_initialized():
-            return None  # reading it would create the context it is meant to measure
-        free, total = torch.cuda.mem_get_info(self.index)
-        return int(total - free)
-
-    def name(self) -> None:
-        return None
-
-    def driver(self) -> None:
-        return None
-
-    def close(self) -> None:
-        pass
-
-
-class _NoNvml(_TorchMemInfo):
-    source = "none (cpu smoke)"
-
-    def used(self) -> None:
-        return None
-
-
-def open_nvml(index: int = 0, *, smoke: bool = False) -> Any:
-    """The best reader of device memory in use: pynvml, ctypes NVML, else torch's mem_get_info."""
-    if smoke:
-        return _NoNvml(index)
-    failures = []
-    for cls in (_PyNvml, _CtypesNvml):
-        try:
-            reader = cls(index)
-            reader.failures = failures
-            return reader
-        except Exception as exc:
-            failures.append(f"{cls.source}: {type(exc).__name__}: {exc}")
-    reader = _TorchMemInfo(index)
-    reader.failures = failures
-    return reader
-
-
-class PeakSampler:
-    """Largest value of ``read()`` seen by a thread polling every ``interval`` seconds."""
-
-    def __init__(self, read: Callable[[], int | None], interval: float = SAMPLE_INTERVAL_S):
-        self.read, self.interval = read, interval
-        self.peak: int | None = None
-        self.samples = self.errors = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _take(self) -> None:
-        try:
-            v = self.read()
-        except Exception:
-            self.errors += 1
-            return
-        self.samples += 1
-        if v is not None:
-            self.peak = v if self.peak is None else max(self.peak, v)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._take()
-
-    def start(self) -> None:
-        self._take()
-        self._thread = threading.Thread(target=self._loop, name="nvml-sampler", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> dict[str, Any]:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self._take()
-        return {"peak": self.peak, "samples": self.samples, "errors": self.errors,
-                "interval_s": self.interval}
 
 
 # --------------------------------------------------------------------------------------------
@@ -282,13 +133,23 @@ class CudaStats:
         if self.enabled:
             self.torch.cuda.synchronize()
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> dict[str, int | None]:
+        """Peaks since the last reset, current figures, and the allocator's cumulative
+        ``num_alloc_retries`` (cache flushed and the cudaMalloc retried) and ``num_ooms``
+        (None in a CPU smoke run)."""
         c = self.torch.cuda
         if not self.enabled:
-            return {"max_allocated": 0, "max_reserved": 0, "allocated": 0, "reserved": 0}
+            return {"max_allocated": 0, "max_reserved": 0, "allocated": 0, "reserved": 0,
+                    "num_alloc_retries": None, "num_ooms": None}
+        ms = c.memory_stats()
         return {"max_allocated": int(c.max_memory_allocated()),
                 "max_reserved": int(c.max_memory_reserved()),
-                "allocated": int(c.memory_allocated()), "reserved": int(c.memory_reserved())}
+                "allocated": int(c.memory_allocated()), "reserved": int(c.memory_reserved()),
+                "num_alloc_retries": int(ms.get("num_alloc_retries", 0)),
+                "num_ooms": int(ms.get("num_ooms", 0))}
+
+    def segments(self) -> list[dict[str, int]] | None:
+        return largest_segments(self.torch.cuda.memory_snapshot()) if self.enabled else None
 
     def reset_peak(self) -> None:
         if self.enabled:
@@ -313,17 +174,25 @@ def state_bytes(optimizer: Any) -> int | None:
 
 
 class Window:
-    """Opens after step 1 (peaks reset, NVML sampling on), closes after the last step."""
+    """Opens after step 1 (peaks reset, NVML sampling on), closes after the last step. Every step
+    is logged: reserved, and for an optimizer step the GradScaler's scale (``scale``, set where
+    fp16 has one), accelerate's ``step_was_skipped`` and the optimizer state's size."""
 
     def __init__(self, stats: CudaStats, nvml: Any, last_step: int):
         self.stats, self.nvml, self.last = stats, nvml, last_step
         self.sampler = PeakSampler(nvml.used)
         self.result: dict[str, Any] = {}
         self.t0 = 0.0
+        self.scale: Any = None  # () -> the GradScaler's scale, where there is one
+        self.scale_before: float | None = None
+        self.steps: list[dict[str, Any]] = []
 
     def after_step(self, step: int, optimizer: Any = None) -> None:
         # how reserved grows over the steps (a host-side counter: no sync)
         self.result.setdefault("reserved_per_step", []).append(self.stats.reserved())
+        if optimizer is not None:
+            self.steps.append(step_record(step, optimizer,
+                                          self.scale() if self.scale is not None else None))
         if step == 1:
             self.stats.sync()
             self.result["step1"] = self.stats.snapshot()
@@ -339,12 +208,22 @@ class Window:
                           nvml_samples=sampled["samples"], nvml_errors=sampled["errors"],
                           seconds=seconds, steps=self.last - 1)
             self.result["steady"] = steady
+            self.result["other_processes"] = reader_processes(self.nvml)
             self.result["optimizer_state_bytes"] = state_bytes(optimizer)
+        if self.steps:
+            self.result["optimizer_steps"] = optimizer_step_facts(self.steps, self.scale_before)
+
+    def so_far(self) -> tuple[dict[str, Any], int | None]:
+        """(what the window holds, the NVML peak of a window still open) after a failure."""
+        peak = self.sampler.stop()["peak"] if self.sampler.running else None
+        return self.result, peak
 
 
 def init_cuda(nvml: Any, smoke: bool) -> dict[str, Any]:
-    """NVML used before CUDA init and after ``torch.cuda.init()`` + a synchronise."""
+    """NVML used before CUDA init and after ``torch.cuda.init()`` + a synchronise; the other
+    processes on the device before; what the device is; where calibrations are read."""
     before = nvml.used()
+    processes_before = reader_processes(nvml)
     loading_before = os.environ.get("CUDA_MODULE_LOADING")
     import torch
 
@@ -357,7 +236,37 @@ def init_cuda(nvml: Any, smoke: bool) -> dict[str, Any]:
             "context_bytes": after - before if before is not None and after is not None else None,
             "cuda_module_loading_before_init": loading_before,
             "cuda_module_loading": os.environ.get("CUDA_MODULE_LOADING"),
-            "nvml_source": nvml.source, "nvml_failures": getattr(nvml, "failures", [])}
+            "nvml_source": nvml.source, "nvml_failures": getattr(nvml, "failures", []),
+            **device_facts(nvml, smoke), "other_processes_before": processes_before,
+            "calibration_cache": calibration_cache()}
+
+
+def device_facts(nvml: Any, smoke: bool) -> dict[str, Any]:
+    """The device this child sees: how many (one: pinned), what CUDA says device 0 is, and the
+    NVML device read for it (found by UUID or PCI address, never by index)."""
+    import torch
+
+    try:
+        nvml_uuid = nvml.uuid()
+    except Exception as exc:
+        nvml_uuid = f"unknown ({type(exc).__name__}: {exc})"
+    return {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "visible_device_count": 0 if smoke else torch.cuda.device_count(),
+            "cuda_device": getattr(nvml, "ids", None), "nvml_mapping": getattr(nvml, "mapping", None),
+            "nvml_uuid": nvml_uuid}
+
+
+def calibration_cache() -> dict[str, Any]:
+    """Where hf_memkit reads stored calibrations in this child, and whether that folder is this
+    child's own fresh one (``HF_MEMKIT_CACHE`` set and empty): a calibration stored by the
+    user must not shape the estimate the measurement is compared with."""
+    from hf_memkit._device.calibration import cache_root
+
+    root = Path(cache_root())
+    entries = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+    isolated = bool(os.environ.get("HF_MEMKIT_CACHE")) and not entries
+    return {"root": str(root), "HF_MEMKIT_CACHE": os.environ.get("HF_MEMKIT_CACHE"),
+            "entries_at_start": entries[:20], "isolated": isolated}
 
 
 def model_config(case: Case, smoke: bool) -> Any:
@@ -374,8 +283,24 @@ def weights_dtype(case: Case) -> Any:
         else torch.float32
 
 
+def _from_pretrained(auto: Any, workdir: str, stats: CudaStats, **kwargs: Any
+                     ) -> tuple[Any, dict[str, Any]]:
+    """``auto.from_pretrained(workdir, **kwargs)`` and the memory around it (``load_facts``):
+    with a ``device_map``, transformers' caching_allocator_warmup reserves a model-sized block
+    before the weights arrive."""
+    gc.collect()
+    stats.sync()
+    stats.reset_peak()
+    before = stats.snapshot()
+    model = auto.from_pretrained(workdir, **kwargs)
+    stats.sync()
+    after = stats.snapshot()
+    how = f"from_pretrained(dir, device_map={kwargs.get('device_map')!r})"
+    return model, load_facts(how, model, before, after, stats.segments())
+
+
 def _quantized(case: Case, config: Any, auto: Any, kw: dict[str, Any], device: str,
-               workdir: str) -> Any:
+               workdir: str, stats: CudaStats) -> tuple[Any, dict[str, Any]]:
     """QLoRA as users load it: from_config rejects quantization_config, so save then load."""
     import peft
     import torch
@@ -384,14 +309,17 @@ def _quantized(case: Case, config: Any, auto: Any, kw: dict[str, Any], device: s
     auto.from_config(config, dtype=weights_dtype(case), **kw).save_pretrained(workdir)
     q = case.quantization()
     q["bnb_4bit_compute_dtype"] = getattr(torch, q["bnb_4bit_compute_dtype"])
-    model = auto.from_pretrained(workdir, dtype=weights_dtype(case),
-                                 quantization_config=transformers.BitsAndBytesConfig(**q),
-                                 device_map={"": 0 if device == "cuda" else device}, **kw)
-    return peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=case.ckpt)
+    model, load = _from_pretrained(auto, workdir, stats, dtype=weights_dtype(case),
+                                   quantization_config=transformers.BitsAndBytesConfig(**q),
+                                   device_map={"": 0 if device == "cuda" else device}, **kw)
+    return peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=case.ckpt), load
 
 
-def build_model(case: Case, device: str, workdir: str, smoke: bool) -> Any:
-    """Random weights placed straight on ``device``; LoRA / QLoRA applied as users do."""
+def build_model(case: Case, device: str, workdir: str, smoke: bool, stats: CudaStats
+                ) -> tuple[Any, dict[str, Any] | None]:
+    """(model, its load's memory or None): random weights placed straight on ``device``, or (load
+    "pretrained", QLoRA) saved to ``workdir`` and loaded with ``device_map``; LoRA / QLoRA applied
+    as users do."""
     import torch
     import transformers
 
@@ -399,8 +327,13 @@ def build_model(case: Case, device: str, workdir: str, smoke: bool) -> Any:
     auto = getattr(transformers, AUTO_CLASS[case.task])
     kw = {"attn_implementation": case.attn} if case.attn else {}
     torch.manual_seed(0)
+    load = None
     if case.method == "qlora":
-        model = _quantized(case, config, auto, kw, device, workdir)
+        model, load = _quantized(case, config, auto, kw, device, workdir, stats)
+    elif case.load == "pretrained":  # the CPU copy is saved, then freed before the load
+        auto.from_config(config, dtype=weights_dtype(case), **kw).save_pretrained(workdir)
+        model, load = _from_pretrained(auto, workdir, stats, dtype=weights_dtype(case),
+                                       device_map=device, **kw)
     else:
         with torch.device(device):
             model = auto.from_config(config, dtype=weights_dtype(case), **kw)
@@ -408,7 +341,7 @@ def build_model(case: Case, device: str, workdir: str, smoke: bool) -> Any:
         import peft
 
         model = peft.get_peft_model(model, peft.LoraConfig(**case.lora()))
-    return model
+    return model, load
 
 
 def examples(case: Case, vocab: int, n: int) -> list[dict[str, Any]]:
@@ -509,13 +442,19 @@ def train(case: Case, model: Any, data: list[dict[str, Any]], window: Window, wo
                                        data_collator=collate, callbacks=callbacks)
     else:
         trainer = trl_trainer(case, model, args, data, callbacks)
+    scaler = getattr(trainer.accelerator, "scaler", None)  # fp16's GradScaler
+    if scaler is not None:
+        window.scale = lambda: float(scaler.get_scale())
+        window.scale_before = window.scale()
     trainer.train()
     opt = trainer.optimizer
-    scaler = getattr(trainer.accelerator, "scaler", None)
     return {"optimizer_class": type(getattr(opt, "optimizer", opt)).__name__,
             "trainer_class": type(trainer).__name__, "args_class": type(args).__name__,
             "grad_scaler_scale": float(scaler.get_scale()) if scaler is not None else None,
-            "global_step": trainer.state.global_step}
+            "global_step": trainer.state.global_step,
+            # one device: no nn.DataParallel (n_gpu is the visible device count)
+            "n_gpu": args.n_gpu, "is_model_parallel": getattr(trainer, "is_model_parallel", None),
+            "model_wrapped_class": type(trainer.model_wrapped).__name__}
 
 
 def forward_backward(case: Case, model: Any, data: list[dict[str, Any]], window: Window,
@@ -543,27 +482,64 @@ def _model_facts(model: Any) -> dict[str, Any]:
             "model_class": type(base).__name__}
 
 
+class CaseOOM(Exception):
+    """The run ran out of device memory; ``record`` is what it had measured by then."""
+
+    def __init__(self, record: dict[str, Any]):
+        super().__init__(record["oom"]["error"])
+        self.record = record
+
+
+def _oom_record(exc: BaseException, stats: CudaStats, nvml: Any, window: Window | None,
+                context: dict[str, Any]) -> dict[str, Any]:
+    """What ``measure`` had read when ``exc`` (an out-of-memory error) ended the run."""
+    w, nvml_peak = window.so_far() if window is not None else ({}, None)
+    steps_done = len(w.get("reserved_per_step", []))
+    try:
+        stats.sync()
+        snap: dict[str, Any] | None = stats.snapshot()
+    except Exception as read_exc:  # the device may refuse even that
+        snap = {"error": f"{type(read_exc).__name__}: {read_exc}"[:300]}
+    during = ("building the model" if window is None else
+              f"step {steps_done + 1} of {window.last}")
+    rec = oom_facts(exc, snapshot=snap, window=w, nvml_peak=nvml_peak,
+                    baseline=context.get("nvml_used_before_cuda"), during=during)
+    rec["other_processes"] = reader_processes(nvml)
+    rec["traceback"] = traceback.format_exc()[-2000:]
+    return rec
+
+
 def measure(case: Case, nvml: Any, context: dict[str, Any], smoke: bool) -> dict[str, Any]:
-    """Build, run, and read the window; ``device_used`` is the NVML peak minus NVML before CUDA."""
+    """Build, run, and read the window; ``device_used`` is the NVML peak minus NVML before CUDA.
+    Out of device memory: ``CaseOOM`` with what was measured so far."""
     stats = CudaStats(enabled=not smoke)
     device = "cpu" if smoke else "cuda"
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as workdir:
-        model = build_model(case, device, workdir, smoke)
-        after_build = stats.snapshot()
-        vocab = model_config(case, smoke).get_text_config().vocab_size
-        data = examples(case, vocab, case.batch * case.accum * (case.steps + 1))
-        window = Window(stats, nvml, case.steps)
-        extra = (train(case, model, data, window, workdir, smoke) if case.stage == "train"
-                 else forward_backward(case, model, data, window, device))
-        facts = _model_facts(model)
+    stats.reset_peak()  # the estimate ran before: its peaks (none expected) are not the run's
+    before_build = stats.snapshot()
+    window = None
+    try:
+        with tempfile.TemporaryDirectory() as workdir:
+            model, load = build_model(case, device, workdir, smoke, stats)
+            after_build = stats.snapshot()
+            vocab = model_config(case, smoke).get_text_config().vocab_size
+            data = examples(case, vocab, case.batch * case.accum * (case.steps + 1))
+            window = Window(stats, nvml, case.steps)
+            extra = (train(case, model, data, window, workdir, smoke) if case.stage == "train"
+                     else forward_backward(case, model, data, window, device))
+            facts = _model_facts(model)
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        raise CaseOOM(_oom_record(exc, stats, nvml, window, context)) from None
     w = window.result
     if "steady" not in w:
         raise RuntimeError(f"the measurement window never closed (steps seen: {w})")
     base, steady = context["nvml_used_before_cuda"], w["steady"]
     known = base is not None and steady["nvml_used_peak"] is not None
     return {
-        **w, **extra, **facts, "after_build": after_build, "run_seconds": time.perf_counter() - t0,
+        **w, **extra, **facts, "before_build": before_build, "after_build": after_build,
+        "load": load, "run_seconds": time.perf_counter() - t0,
         "whole_run": {k: max(w["step1"][k], steady[k]) for k in ("max_allocated", "max_reserved")},
         "device_used": steady["nvml_used_peak"] - base if known else steady["nvml_used_peak"],
         "device_used_after": (steady["nvml_used_after"] - base
@@ -619,13 +595,13 @@ def estimate(case: Case, smoke: bool) -> dict[str, Any]:
                 "seconds": time.perf_counter() - t0}
 
 
-def at_required(case: Case, nvml: Any, context: dict[str, Any]) -> dict[str, Any]:
-    """The run with the caching allocator capped at the estimate's ``required`` less the
+def at_required(case: Case, nvml: Any, context: dict[str, Any], est: dict[str, Any]
+                ) -> dict[str, Any]:
+    """The run with the caching allocator capped at the estimate ``est``'s ``required`` less the
     context: the fit test of issue #24 says it completes (the allocator frees cached blocks and
     retries before an OOM). An OOM is the result, not a failure of the harness."""
     import torch
 
-    est = estimate(case, False)
     if "error" in est:
         return {"at_required": None, "estimate_error": est["error"]}
     d = est["to_dict"]
@@ -635,20 +611,12 @@ def at_required(case: Case, nvml: Any, context: dict[str, Any]) -> dict[str, Any
     try:
         out = measure(case, nvml, context, False)
         out["at_required"] = {"completed": True, "capacity": cap}
-    except torch.OutOfMemoryError as exc:
-        out = {"at_required": {"completed": False, "capacity": cap,
-                               "oom": str(exc).splitlines()[0][:300]}}
+    except CaseOOM as oom:
+        out = {**oom.record, "at_required": {"completed": False, "capacity": cap,
+                                             "oom": oom.record["oom"]["error"]}}
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
     return out
-
-
-def _jsonable(o: Any) -> Any:
-    if isinstance(o, (set, frozenset)):
-        return sorted(o, key=str)
-    if dataclasses.is_dataclass(o) and not isinstance(o, type):
-        return dataclasses.asdict(o)
-    return str(o)
 
 
 def emit(kind: str, payload: dict[str, Any]) -> None:
@@ -656,23 +624,23 @@ def emit(kind: str, payload: dict[str, Any]) -> None:
 
 
 def run_one(case: Case, smoke: bool) -> None:
-    """Child entry: context, measurement, estimate; each printed as soon as it is known."""
+    """Child entry: context, estimate, measurement; each printed as soon as it is known. The
+    estimate comes before the run, so a run that runs out of memory (recorded as ``oom`` with
+    what it measured so far) keeps it."""
     if smoke:
         case = dataclasses.replace(case, batch=min(case.batch, 2), seq_len=32,
                                    target_len=16 if case.target_len else None)
     nvml = open_nvml(0, smoke=smoke)
     context = init_cuda(nvml, smoke)
     emit("context", context)
-    if case.at_required and not smoke:
-        emit("measured", at_required(case, nvml, context))
-    else:
-        emit("measured", measure(case, nvml, context, smoke))
+    est = estimate(case, smoke)
+    emit("estimate", est)
     gc.collect()
-    if not smoke:
-        import torch
-
-        torch.cuda.empty_cache()
-    emit("estimate", estimate(case, smoke))
+    try:
+        emit("measured", at_required(case, nvml, context, est) if case.at_required and not smoke
+             else measure(case, nvml, context, smoke))
+    except CaseOOM as oom:
+        emit("oom", oom.record)
     nvml.close()
 
 
@@ -730,33 +698,12 @@ def probe(smoke: bool) -> None:
 # --------------------------------------------------------------------------------------------
 # parent: the matrix, the result file, the error table
 # --------------------------------------------------------------------------------------------
-def sanitize(text: str) -> str:
-    """Letters, digits, '.', '_' and '-' only: each run of anything else becomes one '-'."""
-    s = re.sub(r"[^A-Za-z0-9._-]+", "-", str(text).strip())
-    return re.sub(r"-{2,}", "-", s).strip("-") or "unknown"
-
-
-def result_filename(gpu_name: str, torch_version: str, date: str) -> str:
-    """``<GPU>_torch<version>_<date>.json``; the torch version without its local part (+cu128)."""
-    return f"{sanitize(gpu_name)}_torch{sanitize(torch_version.split('+')[0])}_{sanitize(date)}.json"
-
-
-def unique_path(directory: Path, name: str) -> Path:
-    """``directory/name``, or ``stem-2.json``... when a file of that name exists already."""
-    path, stem, n = directory / name, Path(name).stem, 2
-    while path.exists():
-        path, n = directory / f"{stem}-{n}.json", n + 1
-    return path
-
-
-def write_json(path: Path, doc: dict[str, Any]) -> None:
-    """Atomically: an interrupted run leaves the previous complete file, never half of one."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=_jsonable) + "\n")
-    os.replace(tmp, path)
-
-
-def child_env(smoke: bool) -> dict[str, str]:
+def child_env(smoke: bool, *, pin: str | None = None, cache: str | None = None
+              ) -> dict[str, str]:
+    """The child's environment: offline, quiet; ``CUDA_VISIBLE_DEVICES`` the one device ``pin``
+    (a full UUID: one device, so the Trainer wraps nothing in nn.DataParallel), none in a CPU
+    smoke run; ``HF_MEMKIT_CACHE`` the fresh folder ``cache`` (no stored calibration or trace of
+    the user's reaches the estimate)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]]
                                                        if env.get("PYTHONPATH") else []))
@@ -765,6 +712,10 @@ def child_env(smoke: bool) -> dict[str, str]:
                PYTHONWARNINGS="ignore", WANDB_DISABLED="true")
     if smoke:
         env["CUDA_VISIBLE_DEVICES"] = ""
+    elif pin is not None:
+        env["CUDA_VISIBLE_DEVICES"] = pin
+    if cache is not None:
+        env["HF_MEMKIT_CACHE"] = cache
     return env
 
 
@@ -784,39 +735,49 @@ def _as_text(b: bytes | str | None) -> str:
     return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 
 
-def run_child(flag: list[str], *, timeout: float, smoke: bool) -> tuple[dict[str, Any], int | None,
-                                                                          str, float]:
-    """(markers, returncode or None on timeout, stderr, seconds) of one child process."""
+def run_child(flag: list[str], *, timeout: float, smoke: bool, pin: str | None = None
+              ) -> tuple[dict[str, Any], int | None, str, float]:
+    """(markers, returncode or None on timeout, stderr, seconds) of one child process, pinned to
+    the device ``pin``, with a calibration cache of its own (removed after it)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), *flag] + (["--cpu-smoke"] if smoke
                                                                      else [])
     t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, env=child_env(smoke), capture_output=True, text=True,
-                           timeout=timeout, cwd=str(ROOT))
-        stdout, stderr, rc = p.stdout, p.stderr, p.returncode
-    except subprocess.TimeoutExpired as exc:  # its output is bytes whatever text= says
-        stdout, stderr, rc = _as_text(exc.stdout), _as_text(exc.stderr), None
+    with tempfile.TemporaryDirectory(prefix="gpu-truth-cache-") as cache:
+        try:
+            p = subprocess.run(cmd, env=child_env(smoke, pin=pin, cache=cache),
+                               capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
+            stdout, stderr, rc = p.stdout, p.stderr, p.returncode
+        except subprocess.TimeoutExpired as exc:  # its output is bytes whatever text= says
+            stdout, stderr, rc = _as_text(exc.stdout), _as_text(exc.stderr), None
     return parse_markers(stdout), rc, stderr, time.perf_counter() - t0
 
 
-def run_case(case: Case, *, timeout: float, smoke: bool = False) -> dict[str, Any]:
-    """One case in its own process; what it measured is kept even when the estimate fails."""
+def run_case(case: Case, *, timeout: float, smoke: bool = False,
+             pin: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One case in its own process on the device ``pin`` (``pin_device``); its estimate is
+    kept whatever happens to the run after it (an OOM: status ``oom``, with what it measured)."""
     parts, rc, stderr, secs = run_child(["--run-one", json.dumps(case.to_dict())],
-                                        timeout=timeout, smoke=smoke)
+                                        timeout=timeout, smoke=smoke,
+                                        pin=(pin or {}).get("cuda_visible_devices"))
+    oom = parts.get("oom")
+    status = "ok" if "measured" in parts else "oom" if oom else "error"
     rec: dict[str, Any] = {"id": case.id, "family": case.family, "case": case.to_dict(),
-                           "status": "ok" if "measured" in parts else "error", "error": None,
+                           "status": status, "error": oom["oom"]["error"] if oom else None,
                            "returncode": rc, "seconds": round(secs, 2),
-                           "context": parts.get("context"), "measured": parts.get("measured"),
+                           "gpu": {k: (pin or {}).get(k) for k in ("uuid", "name")},
+                           "context": parts.get("context"),
+                           "measured": parts.get("measured") or oom,
                            "estimate": parts.get("estimate")}
-    if rc is None and "measured" not in parts:
+    if rc is None and status == "error":
         rec["status"], rec["error"] = "timeout", f"timed out after {timeout:.0f} s"
-    elif "measured" not in parts:
+    elif status == "error":
         rec["error"] = f"child exited with {rc}: " + _error_line(stderr)
-    if rec["estimate"] is None and rec["status"] == "ok":
-        rec["estimate"] = {"error": f"child ended during the estimate (returncode {rc}): "
+    if rec["estimate"] is None:
+        rec["estimate"] = {"error": f"the child recorded no estimate (returncode {rc}): "
                                     + _error_line(stderr)}
     if rec["status"] != "ok" or rc != 0:
         rec["stderr_tail"] = stderr[-4000:]
+    rec["flags"] = case_flags(rec["measured"])
     rec["rel_error"] = rel_errors(rec)
     return rec
 
@@ -841,103 +802,6 @@ def cpu_smoke_skip(case: Case) -> str | None:
                            (case.trl_offload, "TRL's activation_offloading (OffloadActivations) "
                                               "needs an accelerator")) if on]
     return "--cpu-smoke cannot run it on a CPU: " + "; ".join(why) if why else None
-
-
-def measured_values(rec: dict[str, Any]) -> dict[str, int | None]:
-    """The measured figure each estimate is compared with: the steady-state window's."""
-    m = rec.get("measured") or {}
-    steady = m.get("steady") or {}
-    capped = "at_required" in m  # reserved was capped on purpose: only allocated compares
-    return {"allocated": steady.get("max_allocated"),
-            "reserved": None if capped else steady.get("max_reserved"),
-            "device_used": m.get("device_used") if not capped and m.get(
-                "device_used_basis", "").startswith("nvml_used -") else None}
-
-
-def predicted_values(rec: dict[str, Any]) -> dict[str, int | None]:
-    e = rec.get("estimate") or {}
-    if "error" in e:
-        return dict.fromkeys(METRICS)
-    return {"allocated": e.get("peak_allocated"), "reserved": e.get("peak_reserved"),
-            "device_used": e.get("device_used")}
-
-
-def rel_errors(rec: dict[str, Any]) -> dict[str, float | None]:
-    """predicted / measured - 1 per metric (None where either is missing)."""
-    if rec.get("status") != "ok":
-        return {}
-    meas, pred = measured_values(rec), predicted_values(rec)
-    return {k: (pred[k] / meas[k] - 1 if pred[k] is not None and meas[k] else None)
-            for k in METRICS}
-
-
-def summarise(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per metric over the ok runs: n, median and median |.| of the relative error, the worst
-    (signed, largest magnitude) and the count of under-predictions (error < 0)."""
-    out = {}
-    for k in METRICS:
-        errs = [e for r in records if r.get("status") == "ok"
-                for e in [rel_errors(r).get(k)] if e is not None]
-        out[k] = {"n": len(errs),
-                  "median": statistics.median(errs) if errs else None,
-                  "median_abs": statistics.median(abs(e) for e in errs) if errs else None,
-                  "worst": max(errs, key=abs) if errs else None,
-                  "under": sum(e < 0 for e in errs)}
-    return out
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:+.1f}%"
-
-
-def summary_rows(summary: dict[str, dict[str, Any]]) -> list[list[str]]:
-    return [[k, str(s["n"]), _pct(s["median"]), _pct(s["median_abs"]).lstrip("+"),
-             _pct(s["worst"]), str(s["under"])] for k, s in summary.items()]
-
-
-SUMMARY_HEADER = ["metric", "runs", "median err", "median |err|", "worst err", "under-predicted"]
-SUMMARY_TITLE = "hf_memkit estimate vs measured (predicted / measured - 1, steady state)"
-
-
-def render_summary(summary: dict[str, dict[str, Any]]) -> str:
-    """The error table as plain text."""
-    rows = [SUMMARY_HEADER, *summary_rows(summary)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(SUMMARY_HEADER))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                       for i, (c, w) in enumerate(zip(r, widths, strict=True))) for r in rows]
-    return "\n".join([SUMMARY_TITLE, *lines])
-
-
-def print_summary(summary: dict[str, dict[str, Any]]) -> None:
-    """With rich where it is installed, plain text otherwise."""
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        print(render_summary(summary))
-        return
-    t = Table(title=SUMMARY_TITLE)
-    for i, col in enumerate(SUMMARY_HEADER):
-        t.add_column(col, justify="left" if i == 0 else "right")
-    for row in summary_rows(summary):
-        t.add_row(*row)
-    Console(width=120).print(t)
-
-
-def _mib(x: int | None) -> str:
-    return "-" if x is None else f"{x / 2**20:.0f}"
-
-
-def progress_line(i: int, n: int, rec: dict[str, Any]) -> str:
-    head = f"[{i:2d}/{n}] {rec['id']:<62s} {rec['status']:<7s}"
-    if rec["status"] != "ok":
-        return f"{head} {rec.get('error') or ''}"
-    meas, pred, err = measured_values(rec), predicted_values(rec), rec.get("rel_error") or {}
-    cols = " ".join(f"{k} {_mib(meas[k])}/{_mib(pred[k])} MiB ({_pct(err.get(k))})"
-                    for k in METRICS)
-    est_err = (rec.get("estimate") or {}).get("error")
-    return f"{head} {rec['seconds']:5.1f}s {cols}" + (f"  estimate: {est_err[:80]}" if est_err
-                                                      else "")
 
 
 def cuda_present() -> bool:
@@ -966,11 +830,49 @@ def list_cases(cases: list[Case]) -> None:
           "under --cpu-smoke")
 
 
-def run_matrix(cases: list[Case], a: argparse.Namespace) -> int:
-    parts, rc, stderr, _ = run_child(["--probe"], timeout=a.timeout, smoke=a.cpu_smoke)
+def check_pin(pin: dict[str, Any], context: dict[str, Any]) -> str | None:
+    """What is wrong with the pinned child's view of the device (``context`` of the probe), or
+    None: it must see exactly one CUDA device, and NVML must read that one (same UUID)."""
+    n, nvml_uuid = context.get("visible_device_count"), context.get("nvml_uuid")
+    pin["child_visible_device_count"], pin["child_nvml_uuid"] = n, nvml_uuid
+    pin["child_nvml_mapping"] = context.get("nvml_mapping")
+    same = (nvml_uuid == pin["uuid"] if pin.get("uuid") and isinstance(nvml_uuid, str)
+            and nvml_uuid.startswith(("GPU-", "MIG-")) else None)
+    pin["child_reads_pinned_device"] = same
+    if n != 1:
+        return (f"a child with CUDA_VISIBLE_DEVICES={pin['cuda_visible_devices']} sees {n} "
+                "CUDA devices, not one: the Trainer would wrap the model in nn.DataParallel")
+    if same is False:
+        return (f"the child's NVML reads {nvml_uuid}, not the pinned {pin['uuid']}: its "
+                "device_used would be another card's")
+    return None
+
+
+def probe_env(a: argparse.Namespace) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(the environment a pinned probe child reports, the pin), or (None, pin) after printing
+    why not."""
+    try:
+        pin = None if a.cpu_smoke else pin_device(a.gpu)
+    except Exception as exc:  # no such device, or it has no properties
+        print(f"cannot pin CUDA device {a.gpu}: {type(exc).__name__}: {exc}")
+        return None, None
+    parts, rc, stderr, _ = run_child(["--probe"], timeout=a.timeout, smoke=a.cpu_smoke,
+                                     pin=pin["cuda_visible_devices"] if pin else None)
     env = parts.get("env")
     if env is None:
         print(f"the environment probe failed ({rc}): {_error_line(stderr)}\n{stderr[-2000:]}")
+        return None, pin
+    wrong = check_pin(pin, env["context"]) if pin is not None else None
+    if wrong:
+        print(f"not measuring: {wrong} (pin: {pin})")
+        return None, pin
+    env["pinned_gpu"] = pin
+    return env, pin
+
+
+def run_matrix(cases: list[Case], a: argparse.Namespace) -> int:
+    env, pin = probe_env(a)
+    if env is None:
         return 1
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -981,15 +883,16 @@ def run_matrix(cases: list[Case], a: argparse.Namespace) -> int:
                            "started": started.isoformat(timespec="seconds"), "finished": None,
                            "environment": env, "cases_selected": [c.id for c in cases],
                            "runs": [], "summary": {}}
-    print(f"{env['gpu_name']} (cc {env['compute_capability']}), torch {env['torch']}, CUDA "
-          f"{env['cuda']}, transformers {env['transformers']}; NVML: {env['nvml_source']}; "
+    where = f" {pin['cuda_visible_devices']} ({pin['pinned_by']})" if pin else ""
+    print(f"{env['gpu_name']}{where} (cc {env['compute_capability']}), torch {env['torch']}, "
+          f"CUDA {env['cuda']}, transformers {env['transformers']}; NVML: {env['nvml_source']}; "
           f"{len(cases)} cases -> {path}", flush=True)
     t0 = time.perf_counter()
     for i, case in enumerate(cases, 1):
         missing = [m for m in case.needs if not env["importable"].get(m)]
         why = cpu_smoke_skip(case) if a.cpu_smoke else None
         rec = (skipped_record(case, missing, reason=why) if missing or why
-               else run_case(case, timeout=a.timeout, smoke=a.cpu_smoke))
+               else run_case(case, timeout=a.timeout, smoke=a.cpu_smoke, pin=pin))
         doc["runs"].append(rec)
         doc["summary"], doc["elapsed_s"] = summarise(doc["runs"]), round(time.perf_counter() - t0)
         write_json(path, doc)
@@ -997,8 +900,8 @@ def run_matrix(cases: list[Case], a: argparse.Namespace) -> int:
     doc["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     write_json(path, doc)
     print_summary(doc["summary"])
-    counts = {s: sum(r["status"] == s for r in doc["runs"]) for s in ("ok", "error", "timeout",
-                                                                      "skipped")}
+    counts = {s: sum(r["status"] == s for r in doc["runs"])
+              for s in ("ok", "oom", "error", "timeout", "skipped")}
     print(f"{counts} in {time.perf_counter() - t0:.0f} s; wrote {path}")
     return 0 if counts["ok"] else 1
 
@@ -1013,6 +916,9 @@ def parser() -> argparse.ArgumentParser:
                     help="run only cases whose id contains SUBSTR (repeatable: any of them)")
     ap.add_argument("--timeout", type=float, default=120.0,
                     help="seconds per case before its process is killed (default 120)")
+    ap.add_argument("--gpu", type=int, default=0, metavar="INDEX",
+                    help="CUDA device (this process's numbering) every case runs on, alone: each "
+                    "child sees only it, by its UUID (default 0)")
     ap.add_argument("--list", action="store_true",
                     help="print the case matrix (id and settings) and exit; needs no GPU")
     ap.add_argument("--cpu-smoke", action="store_true",

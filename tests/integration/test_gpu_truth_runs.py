@@ -23,6 +23,8 @@ from tests.unit.bench.test_gpu_truth import (
     _run,
 )
 
+PRETRAINED = "gpt2-124m.pure_bf16.fwd-bwd.sdpa.pretrained.b4s1024"
+
 sys.path.insert(0, str(BENCH))
 
 import gpu_truth  # noqa: E402  (bench/gpu_truth.py)
@@ -49,7 +51,9 @@ def _smoke(tmp_path: Path, hidden: tuple[str, ...], *only: str):
 def test_cpu_smoke_runs_whole_cases_without_bnb_deepspeed_trl(tmp_path):
     fb, lora = "llama-160m.fp32.fwd-bwd.", "qwen2-0.5b.amp_bf16.lora.adamw_torch.sdpa.ckpt."
     bnb8 = "llama-160m.fp32.adamw_bnb_8bit."
-    p, doc = _smoke(tmp_path, ("bitsandbytes", "deepspeed", "trl"), fb, lora, bnb8, SFT)
+    p, doc = _smoke(tmp_path, ("bitsandbytes", "deepspeed", "trl"), fb, lora, bnb8, SFT,
+                    PRETRAINED)
+    assert doc["schema"] == 2 and doc["environment"]["pinned_gpu"] is None  # nothing to pin
     env = doc["environment"]
     assert not any(env["importable"][m] for m in ("bitsandbytes", "deepspeed", "trl"))
     assert env["importable"]["hf_memkit"] and env["importable"]["peft"]
@@ -57,7 +61,8 @@ def test_cpu_smoke_runs_whole_cases_without_bnb_deepspeed_trl(tmp_path):
             for key in (fb, lora, bnb8, SFT)}
     assert runs[bnb8]["status"] == "skipped" and "bitsandbytes" in runs[bnb8]["error"]
     assert runs[SFT]["status"] == "skipped" and runs[SFT]["error"].startswith("needs trl")
-    for key in (fb, lora):
+    runs[PRETRAINED] = next(r for r in doc["runs"] if r["id"] == PRETRAINED)
+    for key in (fb, lora, PRETRAINED):
         r = runs[key]
         assert r["status"] == "ok", r
         m = r["measured"]
@@ -65,8 +70,25 @@ def test_cpu_smoke_runs_whole_cases_without_bnb_deepspeed_trl(tmp_path):
         assert m["steady"]["steps"] == 2 and r["context"]["nvml_source"]
         assert "error" not in r["estimate"], r["estimate"]  # hf_memkit imports without them
         assert r["estimate"]["to_dict"]["stage"] == r["case"]["stage"]
+        # each child: no device in a smoke run, its own empty calibration cache
+        assert r["context"]["cuda_visible_devices"] == "" and r["gpu"] == {"uuid": None,
+                                                                           "name": None}
+        cal = r["context"]["calibration_cache"]
+        assert cal["isolated"] and cal["entries_at_start"] == [], cal
+        assert {"num_alloc_retries", "num_ooms"} <= set(m["steady"])
+        assert m["other_processes"]["others"] == "unknown"  # no NVML on a CPU
+        assert r["flags"] == {}
+    caches = {runs[k]["context"]["calibration_cache"]["root"] for k in (fb, lora, PRETRAINED)}
+    assert len(caches) == 3  # one per child
     assert runs[fb]["measured"]["loop"] == gpu_truth.FB_LOOP
     assert runs[lora]["measured"]["trainable_params"] < runs[lora]["measured"]["total_params"]
+    steps = runs[lora]["measured"]["optimizer_steps"]  # bf16: no GradScaler, every step real
+    assert steps["skipped_steps"] == [] and steps["window_has_optimizer_step"] is True
+    assert steps["optimizer_state_at_window_end"] > 0 and steps["scales"] == [None] * 3
+    load = runs[PRETRAINED]["measured"]["load"]  # saved, then loaded with device_map
+    assert load["how"] == "from_pretrained(dir, device_map='cpu')"
+    assert load["state_dict_bytes"] == runs[PRETRAINED]["measured"]["param_bytes"]  # tied once
+    assert runs[fb]["measured"]["load"] is None
     assert doc["finished"] and "allocated" in doc["summary"]
 
 
@@ -125,3 +147,36 @@ def test_estimate_within_10_percent_of_gpu_measurement(case_id, tmp_path):
         assert meas[k] <= pred[k] * (1 + band_rel), \
             f"{case_id} {k}: measured {meas[k]} above the estimate's band ({band_rel:.1%})"
     assert meas["device_used"] <= est["band"][1]
+    _assert_pinned(rec, json.loads(path.read_text())["environment"])
+
+
+def _assert_pinned(rec: dict, env: dict) -> None:
+    """One device, by its full UUID; NVML read that card; no DataParallel; a fresh cache."""
+    pin, ctx = env["pinned_gpu"], rec["context"]
+    assert pin["cuda_visible_devices"].startswith(("GPU-", "MIG-")), pin
+    assert ctx["cuda_visible_devices"] == pin["cuda_visible_devices"]
+    assert ctx["visible_device_count"] == 1 and rec["gpu"]["uuid"] == pin["uuid"]
+    if ctx["nvml_mapping"]["by"] in ("uuid", "pci_bus_id"):
+        assert ctx["nvml_uuid"] == pin["uuid"], (ctx, pin)
+    assert ctx["calibration_cache"]["isolated"] is True
+    assert rec["measured"].get("n_gpu") in (None, 1) and "n_gpu" not in rec["flags"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_from_pretrained_with_device_map_reserves_the_warmup_block(tmp_path):
+    """transformers' caching_allocator_warmup reserves a model-sized block before the weights
+    arrive: after the load, reserved holds at least the state dict's bytes."""
+    p = _run("--only", PRETRAINED, "--out", str(tmp_path), "--timeout", "300", timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    (path,) = tmp_path.glob("*.json")
+    (rec,) = json.loads(path.read_text())["runs"]
+    assert rec["status"] == "ok", rec.get("error") or rec.get("stderr_tail")
+    load = rec["measured"]["load"]
+    assert load["how"] == "from_pretrained(dir, device_map='cuda')"
+    # the block is the state dict less what the cache held unused before (none, in a fresh child)
+    block = load["state_dict_bytes"] - (load["reserved_before"] - load["allocated_before"])
+    assert load["allocated_after_load"] >= 0.99 * load["state_dict_bytes"]
+    assert load["max_reserved_during_load"] - load["reserved_before"] >= block
+    assert load["largest_segments"][0]["total_size"] >= block
+    _assert_pinned(rec, json.loads(path.read_text())["environment"])
