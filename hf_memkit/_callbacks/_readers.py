@@ -1,8 +1,9 @@
 """Memory readings per device kind, behind one small interface (bytes throughout).
 
 * CUDA: the caching allocator's host-side counters (``memory_allocated``, ``memory_reserved``,
-  ``max_memory_allocated`` / ``reset_peak_memory_stats``): none of them synchronises the device.
-  NVML (nvidia-ml-py, where installed) adds what ``nvidia-smi`` shows and the utilisation.
+  ``memory_stats``' allocated, active and reserved peaks / ``reset_peak_memory_stats``): none of
+  them synchronises the device. NVML (nvidia-ml-py, where installed) adds what ``nvidia-smi``
+  shows, the utilisation and the other processes on the device, each on its own (``_nvml``).
 * CPU: resident set size from ``/proc/self/status``; the peak is ``VmHWM``, reset by writing
   ``5`` to ``/proc/self/clear_refs`` (DESIGN.md). "Allocated" is RSS minus the process's
   non-tensor baseline (RSS minus the bytes of live CPU tensors, measured once when training
@@ -17,11 +18,11 @@ from __future__ import annotations
 
 import gc
 import logging
-from typing import Any
 
 import torch
 
 from .._device import rss as _rss
+from ._nvml import NvmlFields
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,11 @@ class Reader:
     def peak(self) -> int | None:
         """Peak allocated since the last ``reset_peak``."""
         return None
+
+    def peaks(self) -> dict[str, int | None]:
+        """Peaks since the last ``reset_peak``: ``allocated``, ``active`` (CUDA: bytes of blocks
+        in use, blocks freed but still awaiting another stream included) and ``reserved``."""
+        return {"allocated": self.peak(), "active": None, "reserved": None}
 
     def reset_peak(self) -> None:
         pass
@@ -58,9 +64,7 @@ class CudaReader(Reader):
 
     def __init__(self, index: int | None):
         self.index = torch.cuda.current_device() if index is None else index
-        self._nvml: Any = None
-        self._handle: Any = None
-        self._nvml_failed = False
+        self.nvml = NvmlFields(self.index)
 
     def allocated(self) -> int:
         return int(torch.cuda.memory_allocated(self.index))
@@ -71,47 +75,28 @@ class CudaReader(Reader):
     def peak(self) -> int:
         return int(torch.cuda.max_memory_allocated(self.index))
 
+    def peaks(self) -> dict[str, int | None]:
+        stats = torch.cuda.memory_stats(self.index) or {}
+        alloc = stats.get("allocated_bytes.all.peak")
+        reserved = stats.get("reserved_bytes.all.peak")
+        active = stats.get("active_bytes.all.peak")
+        return {"allocated": int(self.peak() if alloc is None else alloc),
+                "active": None if active is None else int(active),
+                "reserved": int(torch.cuda.max_memory_reserved(self.index)
+                                if reserved is None else reserved)}
+
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.index)
 
     def open_nvml(self) -> bool:
         """Start NVML for this device; False (with one warning) where it is missing or fails."""
-        from .._device.probe import NVML_MISSING, nvml_handle, warn_once
-
-        try:
-            import pynvml  # nvidia-ml-py
-        except ImportError:
-            warn_once("nvml_missing", NVML_MISSING)
-            return False
-        try:
-            pynvml.nvmlInit()
-            self._handle = nvml_handle(pynvml, self.index)
-            self._nvml = pynvml
-            return True
-        except Exception as exc:
-            logger.warning("NVML unavailable (%s); memory/nvml_used_gib and memory/gpu_util "
-                           "will not be logged", exc)
-            return False
+        return self.nvml.open()
 
     def extra(self) -> dict[str, float]:
-        if self._nvml is None or self._nvml_failed:
-            return {}
-        try:
-            used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used
-            util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
-            return {"nvml_used": float(used), "gpu_util": float(util)}
-        except Exception as exc:
-            self._nvml_failed = True
-            logger.warning("NVML query failed (%s); NVML readings stop here", exc)
-            return {}
+        return self.nvml.read()
 
     def close(self) -> None:
-        if self._nvml is not None:
-            try:
-                self._nvml.nvmlShutdown()
-            except Exception:
-                pass
-            self._nvml = None
+        self.nvml.close()
 
 
 class CpuReader(Reader):
@@ -134,6 +119,10 @@ class CpuReader(Reader):
     def peak(self) -> int | None:
         hwm = _rss.peak_rss()
         return None if hwm is None else max(0, hwm - self.baseline)
+
+    def peaks(self) -> dict[str, int | None]:
+        peak = self.peak()
+        return {"allocated": peak, "active": None, "reserved": peak}   # reserved = allocated
 
     def reset_peak(self) -> None:
         if self.can_reset and not _rss.reset_peak_rss():

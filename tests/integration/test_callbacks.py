@@ -2,7 +2,8 @@
 
 The CPU values are checked against hf_memkit.testing.groundtruth (VmHWM windows in a child process
 started with MALLOC_MMAP_THRESHOLD_=65536), the keys in log_history and in a real TensorBoard
-event file; the CUDA path runs on fakes of the torch.cuda allocator stats and NVML. What needs no
+event file; the CUDA path runs on tests.fakes (torch.cuda's allocator and NVML over a fake GPU
+machine; more in test_memory_callback_cuda.py). What needs no
 training run is in tests/unit/callbacks/test_memory_and_throughput.py.
 """
 
@@ -27,7 +28,8 @@ from hf_memkit._run.synthetic import SyntheticTextDataset, tiny_llama_config
 from hf_memkit._units import GiB, MiB
 from hf_memkit.callbacks import MemoryCallback, ThroughputCallback
 from hf_memkit.testing.groundtruth import measure_trainer_peak
-from tests.helpers import A100_80, make_fake_pynvml, require
+from tests.fakes import Machine, a100, install_cuda, install_nvml
+from tests.helpers import require
 
 SPEC = {"config": tiny_llama_config(hidden_size=128, num_hidden_layers=2).to_dict(),
         "task": "causal-lm", "seq_len": 256, "steps": 4,
@@ -144,36 +146,6 @@ def test_report_and_png(cpu_run):
 # ----------------------------------------------------------------------------------------------
 
 
-class FakeAllocator:
-    """Scripted torch.cuda allocator stats; records in which step each read happened."""
-
-    def __init__(self):
-        self.allocated = 100 * MiB
-        self.peak = self.allocated
-        self.reserved = 128 * MiB
-        self.step = None          # the step running now (set by Marker), None between steps
-        self.read_in: list = []
-
-    def bump(self, peak_extra):
-        self.peak = max(self.peak, self.allocated + peak_extra)
-
-    def memory_allocated(self, i=None):
-        self.read_in.append(self.step)
-        return self.allocated
-
-    def memory_reserved(self, i=None):
-        self.read_in.append(self.step)
-        return self.reserved
-
-    def max_memory_allocated(self, i=None):
-        self.read_in.append(self.step)
-        return self.peak
-
-    def reset_peak_memory_stats(self, i=None):
-        self.read_in.append(self.step)
-        self.peak = self.allocated
-
-
 def tiny_trainer(tmp_path, callbacks, *, steps=4, logging_steps=2, **kw):
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_llama_config(hidden_size=64, intermediate_size=128,
@@ -187,34 +159,51 @@ def tiny_trainer(tmp_path, callbacks, *, steps=4, logging_steps=2, **kw):
 
 
 def test_cuda_path_on_fakes(tmp_path, monkeypatch):
-    fake = FakeAllocator()
-    for name in ("memory_allocated", "memory_reserved", "max_memory_allocated",
+    """The CUDA reader on tests.fakes (one A100: torch.cuda's allocator counters, NVML under
+    nvidia-ml-py's real module): what each step logs, and no reading on steps that do not log."""
+    machine = Machine([a100(0x10, 0)])
+    install_nvml(machine, monkeypatch)
+    fake = install_cuda(machine, monkeypatch)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    step = {"now": None}          # the step running now (set by Marker), None between steps
+    read_in = []
+
+    def recording(real):
+        def recorded(*a, **k):
+            read_in.append(step["now"])
+            return real(*a, **k)
+        return recorded
+
+    for name in ("memory_allocated", "memory_reserved", "max_memory_allocated", "memory_stats",
                  "reset_peak_memory_stats"):
-        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, name, recording(getattr(torch.cuda, name)))
     history = []
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
                         lambda *a, **k: history.append((a, k)))
-    nvml = make_fake_pynvml([A100_80])
-    nvml.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=87, memory=40)
-    monkeypatch.setitem(sys.modules, "pynvml", nvml)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     # the Trainer itself runs on the CPU; the callback reads the (fake) CUDA allocator
     monkeypatch.setattr(memory_mod, "make_reader", lambda device: CudaReader(0))
+    uuid = fake.target(0).uuid
+
+    def transient(mib):
+        fake.allocate(mib * MiB, 0)
+        machine.release(uuid, mib * MiB)
 
     class Marker(memory_mod.TrainerCallback):    # runs first in every event
+        def on_train_begin(self, args, state, control, **kw):
+            fake.allocate(100 * MiB, 0)          # the weights
+
         def on_step_begin(self, args, state, control, **kw):
-            fake.step = state.global_step + 1
+            step["now"] = state.global_step + 1
 
         def on_step_end(self, args, state, control, **kw):
-            fake.step = None
+            step["now"] = None
 
     class Script(memory_mod.TrainerCallback):    # the allocator's peaks in each phase
         def on_step_begin(self, args, state, control, **kw):
-            fake.bump(300 * MiB)                  # forward + backward
+            transient(300)                        # forward + backward
 
         def on_pre_optimizer_step(self, args, state, control, **kw):
-            fake.bump(50 * MiB)                   # the optimizer step
+            transient(50)                         # the optimizer step
 
     cb = MemoryCallback(types.SimpleNamespace(peak_allocated=400 * MiB), record_history=True,
                         max_entries=1234)
@@ -223,32 +212,39 @@ def test_cuda_path_on_fakes(tmp_path, monkeypatch):
     trainer.train()
     logs = _train_logs(trainer.state.log_history)
     assert [h["step"] for h in logs] == [2, 4]
+    gpu = machine.gpus[0]
     for h in logs:
         assert h["memory/allocated_gib"] == pytest.approx(100 * MiB / GiB)
-        assert h["memory/reserved_gib"] == pytest.approx(128 * MiB / GiB)
-        assert h["memory/fragmentation_gib"] == pytest.approx(28 * MiB / GiB)
+        # the caching allocator keeps the 400 MiB segment it reserved for the peak
+        assert h["memory/reserved_gib"] == pytest.approx(400 * MiB / GiB)
+        assert h["memory/fragmentation_gib"] == pytest.approx(300 * MiB / GiB)
         assert h["memory/peak_allocated_gib"] == pytest.approx(400 * MiB / GiB)
+        assert h["memory/peak_active_gib"] == pytest.approx(400 * MiB / GiB)
+        assert h["memory/peak_reserved_gib"] == pytest.approx(400 * MiB / GiB)
         assert h["memory/peak_fwd_bwd_gib"] == pytest.approx(400 * MiB / GiB)
         assert h["memory/peak_optimizer_gib"] == pytest.approx(150 * MiB / GiB)
-        assert h["memory/nvml_used_gib"] == pytest.approx((A100_80.total - A100_80.free) / GiB)
-        assert h["memory/gpu_util"] == 87
+        # NVML v1: the driver's reservation, this process's context and its reserved memory
+        assert h["memory/nvml_used_gib"] * GiB == gpu.total - machine.free(gpu)
+        assert h["memory/nvml_used_gib"] * GiB == gpu.reserved + machine.context_bytes + 400 * MiB
+        assert h["memory/gpu_util"] == 97
+        assert h["memory/other_processes_gib"] == 0
         assert h["memory/actual_over_predicted"] == pytest.approx(1.0)
         assert "memory/rss_gib" not in h
     # allocator history recorded from train begin, switched off at train end
     assert history == [((), {"max_entries": 1234}), ((), {"enabled": None})]
-    assert "init" in nvml.calls and "shutdown" in nvml.calls
+    assert "nvmlInitWithFlags" in machine.calls and machine.calls[-1] == "nvmlShutdown"
     # no reading at all during the steps that do not log (1 and 3)
-    assert {s for s in fake.read_in if s is not None} == {2, 4}
+    assert {s for s in read_in if s is not None} == {2, 4}
     with open(os.path.join(tmp_path, "memory_report.json")) as f:
         report = json.load(f)
     assert report["device"] == "cuda"
     plt = require("matplotlib.pyplot")
-    # the timeline: reserved (128 MiB) is its own dashed line, allocated (100 MiB) its own line
+    # the timeline: reserved (400 MiB) is its own dashed line, allocated (100 MiB) its own line
     fig = draw_timeline(report)
     try:
         lines = {ln.get_label(): ln for ln in fig.axes[0].get_lines()}
         assert lines["reserved (caching allocator)"].get_linestyle() == "--"
-        assert list(lines["reserved (caching allocator)"].get_ydata()) == [128, 128]
+        assert list(lines["reserved (caching allocator)"].get_ydata()) == [400, 400]
         assert list(lines["allocated after step"].get_ydata()) == [100, 100]
     finally:
         plt.close(fig)

@@ -59,3 +59,55 @@ def test_flops_formula_full_and_lora():
     assert t["N_trainable"] == nt and t["N"] == n + nt
     mf, _ = flops_per_token(t, 32)
     assert mf == 4 * (n + nt) + 2 * nt + 12 * 2 * 64 * 32
+
+
+# ----------------------------------------------------------------------------------------------
+# The pieces of issue 25's readings: the cross-rank encoding, the reduction's device, the phases
+# ----------------------------------------------------------------------------------------------
+
+
+def test_rank_encoding_gives_the_max_and_the_lowest_rank_holding_it():
+    from hf_memkit._callbacks._ranks import decode, encode
+
+    keys = ("a", "b", "c", "d")
+    per_rank = [{"a": 5, "b": 7, "c": None, "d": None},
+                {"a": 9, "b": 7, "c": 3, "d": None},
+                {"a": 1, "b": 2, "c": None, "d": None}]
+    enc = [encode(v, keys, r, 3) for r, v in enumerate(per_rank)]
+    best = [max(col) for col in zip(*enc, strict=True)]   # what all_reduce(MAX) computes
+    values, ranks = decode(best, keys, 3)
+    assert values == {"a": 9, "b": 7, "c": 3, "d": None}
+    assert ranks == {"a": 1, "b": 0, "c": 1}              # a tie goes to the lowest rank
+
+
+def test_reduction_tensor_lives_where_the_backend_reduces(monkeypatch):
+    from hf_memkit._callbacks import _ranks
+
+    for backend, device, want in (("gloo", torch.device("cuda", 3), "cpu"),
+                                  ("cpu:gloo,cuda:nccl", torch.device("cuda", 3), "cpu"),
+                                  ("nccl", torch.device("cuda", 3), "cuda:3")):
+        monkeypatch.setattr(torch.distributed, "get_backend", lambda *a, _b=backend: _b)
+        assert str(_ranks.collective_device(device)) == want
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert str(_ranks.collective_device(torch.device("cpu"))) == "cuda:1"
+    assert _ranks.world() is None                         # no process group here
+
+
+def test_phases_split_forward_and_backward_over_micro_batches():
+    from hf_memkit._callbacks._phases import StepPhases
+
+    readings = iter([10, 50, 80, 40, 60])
+    phases = StepPhases(lambda: next(readings))
+    model = torch.nn.Linear(2, 2)
+    assert phases.attach(model)
+    model(torch.ones(2))                                  # not armed: no reading
+    phases.arm()
+    model(torch.ones(2))      # before the first forward: 10; forward 1: 50
+    model(torch.ones(2))      # backward 1: 80; forward 2: 40
+    got = phases.finish(90)   # backward 2 and clipping, up to on_pre_optimizer_step
+    assert got == {"forward": 50, "backward": 90, "fwd_bwd": 90}
+    model(torch.ones(2))                                  # disarmed again
+    phases.detach()
+    assert next(readings) == 60                           # nothing read since
+    phases.arm()              # detached: no hooks, so one window for forward + backward
+    assert phases.finish(30) == {"fwd_bwd": 30}
