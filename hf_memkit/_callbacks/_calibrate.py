@@ -39,13 +39,16 @@ def can_calibrate(reader: Reader, estimate: Any, warn: Warn) -> bool:
 
 
 def write_residual(reader: CudaReader, estimate: Any, rec: dict[str, Any], warn: Warn) -> None:
-    """NVML used / predicted device_used - 1 into this GPU's calibration; never raises. Where NVML
-    gave no used memory the warning says why (missing, not started, refused: ``_nvml``)."""
+    """What this process holds (its NVML process entry) / predicted device_used - 1 into this
+    GPU's calibration; never raises. The device-wide used is not a stand-in: it counts the
+    driver's reservation and other processes, which ``device_used`` does not. Where NVML gave no
+    entry the warning says why (missing, not started, refused, not listed: ``_nvml``)."""
     try:
-        measured = rec.get("nvml_used")
+        measured = rec.get("process_used")
         if measured is None:
-            warn("calibrate", f"calibrate=True needs NVML's used memory of this device, and "
-                              f"{reader.nvml.missing('nvml_used')}; no residual is recorded")
+            warn("calibrate", f"calibrate=True needs NVML's entry for this process (what "
+                              f"device_used predicts), and {reader.nvml.missing('process_used')}"
+                              "; no residual is recorded")
             return
         dev = probe_device(reader.index)
         path = record_residual(int(measured), predicted_device_used(estimate), gpu=dev.name,

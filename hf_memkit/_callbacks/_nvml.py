@@ -53,6 +53,8 @@ def _code(pynvml: Any, exc: Exception) -> str | None:
 class NvmlFields:
     """The NVML fields of CUDA device ``index``; ``open()`` first, ``read()`` at each log."""
 
+    process_used: int | None = None   # set by each read() that lists this process
+
     def __init__(self, index: int):
         self.index = index
         self.nvml: Any = None
@@ -128,11 +130,13 @@ class NvmlFields:
                                           f"PID namespace shows host pids, so which entry is "
                                           f"this process is unknown")
             return None
+        self.process_used = held[pid]     # this process's own entry: what device_used predicts
         return float(sum(v or 0 for k, v in held.items() if k != pid))
 
     def read(self) -> dict[str, float]:
         """Each field NVML answers now, by metric name; a failing field never hides another."""
         out: dict[str, float] = {}
+        self.process_used = None
         if self.nvml is None:
             return out
         for name in FIELDS:
@@ -146,6 +150,8 @@ class NvmlFields:
             self.last_error.pop(name, None)
             if value is not None:
                 out[name] = value
+        if self.process_used is not None:
+            out["process_used"] = float(self.process_used)
         return out
 
     def _failed(self, name: str, exc: Exception) -> None:
@@ -175,7 +181,9 @@ class NvmlFields:
         logger.warning("%s; it is not logged in this run (the other NVML readings go on)", why)
 
     def missing(self, name: str) -> str:
-        """Why ``name`` has no reading now."""
+        """Why ``name`` has no reading now (``process_used`` comes with the process list)."""
+        if name == "process_used":
+            name = "other_processes"
         return self.off.get(name) or self.last_error.get(name) or "NVML gave no reading"
 
     @staticmethod

@@ -23,6 +23,10 @@ At each logging step it adds (GiB unless named otherwise; axolotl's names in bra
     memory/nvml_used_gib         the whole device's used memory as nvidia-smi shows it: every
                                  process and the driver's reservation (CUDA with nvidia-ml-py;
                                  on MIG, the instance's)
+    memory/process_used_gib      what NVML lists for this process on the device (its context
+                                 and the allocator's segments): the quantity
+                                 ``MemoryEstimate.device_used`` predicts, and what
+                                 ``calibrate=True`` compares with it
     memory/other_processes_gib   memory NVML lists for the other processes on this device (a
                                  colocated job, a stray context of another rank); where NVML
                                  permits (``_nvml``)
@@ -98,7 +102,7 @@ CALIBRATE_AFTER_STEP = 3   # the first steps allocate lazily (optimizer state, k
 # the readings reduced across ranks (the same keys, in the same order, on every rank)
 REDUCED = ("allocated", "reserved", "peak_allocated", "peak_active", "peak_reserved",
            "fragmentation", "peak_forward", "peak_backward", "peak_fwd_bwd", "peak_optimizer",
-           "nvml_used", "other_processes", "gpu_util", "rss")
+           "nvml_used", "process_used", "other_processes", "gpu_util", "rss")
 TRACKER_KEY = "train_mem_gpu_peaked_delta"   # TrainerMemoryTracker's train-stage GPU peak
 
 
@@ -419,7 +423,8 @@ class MemoryCallback(TrainerCallback):
 
 _GIB_KEYS = ("allocated", "reserved", "peak_allocated", "peak_active", "peak_reserved",
              "fragmentation", "peak_forward", "peak_backward", "peak_fwd_bwd", "peak_optimizer",
-             "peak_eval", "nvml_used", "other_processes", "rss", "predicted_peak")
+             "peak_eval", "nvml_used", "process_used", "other_processes", "rss",
+             "predicted_peak")
 
 
 def to_metrics(rec: dict[str, Any]) -> dict[str, float]:

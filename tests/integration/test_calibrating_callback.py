@@ -46,9 +46,13 @@ class FakeStats:
 
 @pytest.fixture
 def cuda_callback_env(cache, fake_cuda, monkeypatch):
-    """One fake A100, idle but for this process, which holds 1000 MiB + 100 MiB x step."""
+    """One fake A100 where this process holds 1000 MiB + 100 MiB x step, beside another
+    process (5 GiB) and the driver's reservation (500 MiB): device_used, and so the residual,
+    is this process's own (issue 25, defect 8), not the device-wide used."""
     gpu = dataclasses.replace(A100_80, free=A100_80.total)
     machine = fake_cuda([gpu])
+    machine.spawn(9999, machine.gpus[0].uuid, 5 * GiB)
+    machine.gpus[0].reserved = 500 * MiB
     gpu.hold = lambda n: machine.this.context.__setitem__(machine.gpus[0].uuid, n)
     stats = FakeStats()
     for name in ("memory_allocated", "memory_reserved", "max_memory_allocated",
