@@ -116,12 +116,26 @@ def processes(pynvml: Any, handle: Any) -> list[tuple[int, int | None]] | None:
     return out
 
 
+def _has_context() -> bool:
+    """Whether this process has initialised CUDA (and so may hold a context NVML lists)."""
+    try:
+        import torch
+
+        return bool(torch.cuda.is_initialized())
+    except Exception:
+        return False
+
+
 def split_processes(listed: list[tuple[int, int | None]] | None,
                     pid: int | None = None) -> tuple[int | None, int | None]:
-    """``(this process's bytes, the other processes' bytes)`` from ``processes()``."""
+    """``(this process's bytes, the other processes' bytes)`` from ``processes()``. A process
+    with a CUDA context that NVML does not list under its pid (a container with its own PID
+    namespace: NVML shows host pids) leaves both unknown: which entry is ours cannot be told."""
     if listed is None:
         return None, None
     pid = os.getpid() if pid is None else pid
+    if listed and pid not in {p for p, _b in listed} and _has_context():
+        return None, None
     own = sum(b or 0 for p, b in listed if p == pid)
     others = sum(b or 0 for p, b in listed if p != pid)
     return own, others

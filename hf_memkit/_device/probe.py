@@ -278,6 +278,8 @@ def _probe_cuda(index: int, count: int) -> DeviceInfo:
     if nvml is not None:
         free, total, name, source, own = nvml.free, nvml.total, nvml.name, "nvml", nvml.own
         others = nvml.others
+        if own is None:   # NVML does not list this process (MIG without root, a container)
+            own = _torch_own(index)
     else:
         free, total = _torch_mem_get_info(index, props)
         name, source, own, others = str(props.name), "torch.cuda", _torch_own(index), None

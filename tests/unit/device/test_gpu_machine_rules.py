@@ -197,3 +197,16 @@ def test_a_one_gpu_plan_on_a_two_gpu_process_warns_about_data_parallel(machine, 
                                          r"nn\.DataParallel"):
         p = mk.plan_training(TINY, seq_len=256, target_batch_size=8)
     assert any("nn.DataParallel" in n for n in p.notes)
+
+
+def test_in_a_container_nvml_shows_host_pids_and_this_process_is_not_guessed(machine):
+    """A container with its own PID namespace: NVML lists this process under its host pid.
+    Its entry cannot be told from another tenant's, so neither is claimed; what torch holds
+    (reserved) is this process's, and the budget stays on the safe side of it."""
+    m = machine([a100(0x07, 0)])
+    m.cuda.allocate(6 * GiB)
+    m.this.pid = 2_000_000                               # the host's pid for this process
+    m.spawn(901, uuid_of(0), 10 * GiB)
+    dev = mk.probe_device()
+    assert dev.others_memory is None
+    assert dev.own_memory == torch.cuda.memory_reserved(0) == 6 * GiB   # the context unknown
