@@ -48,10 +48,18 @@ _snapshots: list[str] = []
 
 
 def start_memory_history(max_entries: int = 100_000) -> bool:
-    """Record the CUDA caching allocator's history (for a snapshot on OOM); call on CUDA only."""
+    """Record the CUDA caching allocator's history (for a snapshot on OOM); call on CUDA only.
+
+    Every alloc/free event with its stack (``context="all"``), Python frames only
+    (``stacks="python"``): torch's default, ``stacks="all"``, also unwinds the C++ stack at
+    every allocation and free, which makes each entry larger and the dump on OOM slower (C++
+    frames are symbolized when the snapshot is written), for frames pytorch.org/memory_viz
+    rarely needs to place an allocation in the model's code. These keywords of
+    ``_record_memory_history`` are the same from torch 2.1 to 2.13."""
     global _recording
     try:
-        torch.cuda.memory._record_memory_history(max_entries=max_entries)
+        torch.cuda.memory._record_memory_history(
+            enabled="all", context="all", stacks="python", max_entries=max_entries)
     except Exception as exc:  # private API (STYLE.md §11): say which feature is lost
         logger.warning("cannot record CUDA memory history (%s); no snapshot on OOM", exc)
         return False

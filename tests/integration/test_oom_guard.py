@@ -9,14 +9,21 @@ from __future__ import annotations
 
 import copy
 import gc
+import sys
 
 import pytest
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import (
+    Trainer,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 
 from hf_memkit._oom import detect as _oom_detect
 from hf_memkit._run.synthetic import SyntheticTextDataset
-from hf_memkit.callbacks import OOMGuardTrainer, OOMRecoveryError, is_oom_error
+from hf_memkit.callbacks import MemoryCallback, OOMGuardTrainer, OOMRecoveryError, is_oom_error
 
 MBS, GA, STEPS = 4, 2, 3
 OOM_TEXT = "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.15 GiB total capacity)"
@@ -310,3 +317,36 @@ def test_is_oom_error():
     assert is_oom_error(RuntimeError(OOM_TEXT))
     assert not is_oom_error(RuntimeError("expected scalar type Float"))
     assert not is_oom_error(ValueError(OOM_TEXT))
+
+
+def _record_memory_history(enabled="all", context="all", stacks="all", max_entries=sys.maxsize,
+                           device=None, clear_history=False, compile_context=False,
+                           global_record_annotations=False, skip_actions=None):
+    """torch 2.13's signature (torch.cuda.memory._record_memory_history_impl); the calls it got."""
+    _record_memory_history.calls.append(dict(
+        enabled=enabled, context=context, stacks=stacks, max_entries=max_entries))
+
+
+def test_memory_history_keeps_python_stacks_only(monkeypatch, tmp_path):
+    """MemoryCallback(record_history=True) on CUDA records Python stacks only: torch's default
+    (stacks="all") also unwinds the C++ stack of every allocation and free."""
+    from hf_memkit._callbacks import memory as memory_mod
+    from hf_memkit._callbacks._readers import CudaReader
+
+    _record_memory_history.calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", _record_memory_history)
+    monkeypatch.setattr(_oom_detect, "_recording", False)
+    monkeypatch.setattr(CudaReader, "open_nvml", lambda self: None)
+    monkeypatch.setattr(memory_mod, "make_reader", lambda device: CudaReader(0))
+    for name in ("memory_allocated", "memory_reserved", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: None)
+    cb = MemoryCallback(record_history=True, max_entries=5000, plot=False, report=False)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    state = TrainerState()
+    cb.on_train_begin(args, state, TrainerControl())
+    assert _oom_detect.recording_memory_history()
+    cb.on_train_end(args, state, TrainerControl())
+    start, stop = _record_memory_history.calls
+    assert start == dict(enabled="all", context="all", stacks="python", max_entries=5000)
+    assert stop["enabled"] is None and not _oom_detect.recording_memory_history()
