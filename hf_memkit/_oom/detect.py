@@ -33,6 +33,12 @@ OOM_MESSAGES = (
 )
 
 
+def first_line(exc: BaseException) -> str:
+    """``Type: first line of the message``, as the guard quotes an error."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
 def is_oom_error(exc: BaseException) -> bool:
     """``torch.OutOfMemoryError``, or a ``RuntimeError`` (``torch.AcceleratorError`` included)
     whose message says memory ran out: the caching allocators' wording, CUDA's

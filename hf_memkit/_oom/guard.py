@@ -17,7 +17,8 @@ so it can retry *inside* the loop:
   keep the smaller chunk.
 * an OOM in ``optimizer.step()``: the micro-batch does not change what the step needs (the
   activations are freed by then), so it is not halved. The step is put back exactly as before
-  (``step.StepWatch``: version counters, or a host copy with ``oom_step_backup=True``),
+  (``step.StepWatch``: version counters, or a host copy with ``oom_step_backup=True``;
+  ``step.HostBackup``: pinned while torch can pin it, pageable after, with a warning),
   memory is freed, foreach kernels are switched off and the step is retried once with the same
   gradients. A partial update without a copy, or a second OOM in the same step, raises
   ``OOMRecoveryError`` rather than continue from a half-applied step.
@@ -63,13 +64,14 @@ from .detect import (  # noqa: F401  (re-exported: hf_memkit.callbacks, MemoryCa
     MEMORY_VIZ,
     OOM_MESSAGES,
     dump_snapshot,
+    first_line,
     is_oom_error,
     recording_memory_history,
     snapshot_paths,
     start_memory_history,
     stop_memory_history,
 )
-from .step import StepWatch, batch_size_of, single_tensor_kernels, split_batch
+from .step import HostBackup, StepWatch, batch_size_of, single_tensor_kernels, split_batch
 
 logger = logging.getLogger(__name__)
 
@@ -104,13 +106,6 @@ class OOMRecovery:
 
 class OOMRecoveryError(HfMemkitError, RuntimeError):
     """Raised when the OOM guard has run out of recoveries."""
-
-
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 _PLAN = "or run `hf-memkit plan` (hf_memkit.plan_training) for a setup that fits this GPU"
@@ -157,7 +152,7 @@ class OOMGuardMixin:
             raise HfMemkitError(f"max_oom_recoveries must be >= 0, got {max_oom_recoveries}")
         self.max_oom_recoveries = max_oom_recoveries
         self.oom_step_backup = bool(oom_step_backup)
-        self._oom_backup_buffers: dict[int, torch.Tensor] = {}
+        self._oom_backup = HostBackup()
         self._oom_step_retried = -1                 # the optimizer step already retried once
         self._oom_eval_batch0 = self.args.per_device_eval_batch_size
         self.oom_snapshot_dir = oom_snapshot_dir
@@ -258,7 +253,7 @@ class OOMGuardMixin:
         def step(*args, **kwargs):
             while True:
                 watch = StepWatch.before_step(
-                    raw, self._oom_backup_buffers if self.oom_step_backup else None)
+                    raw, self._oom_backup if self.oom_step_backup else None)
                 try:
                     return inner_step(*args, **kwargs)
                 except Exception as exc:
@@ -341,7 +336,7 @@ class OOMGuardMixin:
                 "Lower per_device_train_batch_size or plan with hf_memkit.plan_training") from exc
         directory = self.oom_snapshot_dir or self.args.output_dir or "."
         name = f"oom_snapshot_step{self.state.global_step + 1}_{len(self.oom_recoveries) + 1}"
-        return _first_line(exc), dump_snapshot(directory, name)
+        return first_line(exc), dump_snapshot(directory, name)
 
     def _oom_free(self, model, *, drop_grads: bool) -> None:
         if drop_grads:

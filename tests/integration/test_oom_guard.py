@@ -27,6 +27,14 @@ from hf_memkit.callbacks import MemoryCallback, OOMGuardTrainer, OOMRecoveryErro
 
 MBS, GA, STEPS = 4, 2, 3
 OOM_TEXT = "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.15 GiB total capacity)"
+# What torch 2.13 raises (torch.AcceleratorError, from C10_CUDA_CHECK) when cudaHostAlloc fails in
+# its CachingHostAllocator: pinned host memory ran out (Tensor.pin_memory(), pin_memory=True). The
+# words are those of any CUDA runtime call's cudaErrorMemoryAllocation.
+PINNED_OOM = ("CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation' in "
+              "https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__TYPES.html for more "
+              "information.\nFor more detailed error information, run with CUDA_LOG_FILE=stderr\n"
+              "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n")
+
 
 
 def pad_collate(items):
