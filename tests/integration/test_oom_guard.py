@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from torch._utils import ExceptionWrapper
 from transformers import (
     Trainer,
     TrainerCallback,
@@ -34,7 +35,6 @@ PINNED_OOM = ("CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation'
               "https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__TYPES.html for more "
               "information.\nFor more detailed error information, run with CUDA_LOG_FILE=stderr\n"
               "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n")
-
 
 
 def pad_collate(items):
@@ -325,6 +325,31 @@ def test_is_oom_error():
     assert is_oom_error(RuntimeError(OOM_TEXT))
     assert not is_oom_error(RuntimeError("expected scalar type Float"))
     assert not is_oom_error(ValueError(OOM_TEXT))
+
+
+def test_pinned_host_memory_is_not_a_device_oom():
+    """The same words as a device OOM outside the caching allocator, told apart by where they
+    came from: pinning a tensor (the call that raised asks for pinned memory) or the
+    DataLoader's pin-memory thread (its re-raised message names the thread)."""
+    try:                       # the real call; on this CPU machine it fails for another reason
+        torch.empty(4, pin_memory=True)
+    except RuntimeError as exc:
+        at_pinning = torch.AcceleratorError(PINNED_OOM).with_traceback(exc.__traceback__)
+    try:
+        raise torch.AcceleratorError(PINNED_OOM)
+    except RuntimeError:
+        wrapped = ExceptionWrapper(where="in pin memory thread for device 0")
+    with pytest.raises(torch.AcceleratorError) as from_thread:
+        wrapped.reraise()
+    for exc in (at_pinning, from_thread.value):
+        assert not is_oom_error(exc)
+        assert _oom_detect.host_memory_error(exc, "cuda") == _oom_detect.PINNED
+    device_side = torch.AcceleratorError(PINNED_OOM)   # raised elsewhere: the device's memory
+    assert is_oom_error(device_side) and _oom_detect.host_memory_error(device_side) is None
+    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't "
+                       "allocate memory: you tried to allocate 402653184 bytes.")
+    assert _oom_detect.host_memory_error(cpu, "cuda") == _oom_detect.HOST   # host RAM on a GPU run
+    assert _oom_detect.host_memory_error(cpu, "cpu") is None                # the CPU run's device
 
 
 def _record_memory_history(enabled="all", context="all", stacks="all", max_entries=sys.maxsize,

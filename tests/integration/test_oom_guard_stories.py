@@ -187,6 +187,45 @@ def test_evaluate_at_eval_batch_one_says_what_to_do(base_model, tmp_path):
     assert "eval_accumulation_steps" in msg and "hf-memkit plan" in msg
 
 
+def on_cuda_pinning_fails(trainer, monkeypatch):
+    """What a CUDA machine whose pinned host memory ran out does: the DataLoader pins every batch
+    (dataloader_pin_memory=True, the default there; use_cpu=True turns it off), and each
+    Tensor.pin_memory() fails as cudaHostAlloc does."""
+
+    def pin_memory(self, *args, **kwargs):
+        raise torch.AcceleratorError(PINNED_OOM)
+
+    trainer.args.dataloader_pin_memory = True
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator",
+                        lambda *a, **k: torch.device("cuda"))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+
+
+def test_pinned_host_memory_running_out_stops_instead_of_halving_the_eval_batch(
+        base_model, tmp_path, monkeypatch):
+    """Pinning an eval batch fails with CUDA's "out of memory": host memory, which a smaller eval
+    batch does not free. The guard stops at once and says what to change, rather than halving
+    the eval batch down to one sample and then blaming the GPU."""
+    holder = []
+
+    def setup(trainer):
+        holder.append(trainer)
+        on_cuda_pinning_fails(trainer, monkeypatch)
+
+    with pytest.raises(mk.OOMRecoveryError) as err:
+        train(Guarded, copy.deepcopy(base_model), tmp_path, setup=setup, evaluate=True,
+              per_device_eval_batch_size=8, trainer_kw={"max_oom_recoveries": 5})
+    msg = str(err.value)
+    assert msg.startswith("pinned (page-locked) host memory ran out at the evaluation before any "
+                          "optimizer step (evaluation): AcceleratorError: CUDA error: out of memory")
+    assert "not the device's memory" in msg and "dataloader_pin_memory=False" in msg
+    assert isinstance(err.value.__cause__, torch.AcceleratorError)
+    g = holder[0]
+    assert g.oom_recoveries == [] and g.args.per_device_eval_batch_size == 8
+    assert g.eval_sizes == []                          # no batch reached the model
+
+
 # ---- which errors are OOMs --------------------------------------------------------------------
 
 
