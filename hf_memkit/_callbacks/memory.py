@@ -134,8 +134,10 @@ class MemoryCallback(TrainerCallback):
         report: write ``memory_report.json`` at train end.
         record_history: on CUDA, record the allocator's history from train begin
             (``torch.cuda.memory._record_memory_history``) so that an OOM caught by the OOM guard
-            dumps a snapshot pytorch.org/memory_viz opens.
-        max_entries: history ring-buffer size when ``record_history``.
+            dumps a snapshot pytorch.org/memory_viz opens. Each event keeps its Python stack
+            only (``stacks="python"``): torch's default also unwinds the C++ stack at every
+            allocation and free (larger entries, a slower dump on OOM).
+        max_entries: history ring-buffer size (alloc/free events) when ``record_history``.
         calibrate: on CUDA with an estimate, append measured/predicted of ``device_used`` (NVML)
             to this GPU's stored calibration once, at the first log from step 3 on.
         across_ranks: under torch.distributed, log the maximum over the ranks (every rank must

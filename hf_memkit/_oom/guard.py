@@ -17,7 +17,8 @@ so it can retry *inside* the loop:
   keep the smaller chunk.
 * an OOM in ``optimizer.step()``: the micro-batch does not change what the step needs (the
   activations are freed by then), so it is not halved. The step is put back exactly as before
-  (``step.StepWatch``: version counters, or a host copy with ``oom_step_backup=True``),
+  (``step.StepWatch``: version counters, or a host copy with ``oom_step_backup=True``;
+  ``step.HostBackup``: pinned while torch can pin it, pageable after, with a warning),
   memory is freed, foreach kernels are switched off and the step is retried once with the same
   gradients. A partial update without a copy, or a second OOM in the same step, raises
   ``OOMRecoveryError`` rather than continue from a half-applied step.
@@ -36,6 +37,10 @@ sequence-level labels).
 
 Dropout: a replayed step draws new dropout masks (and chunks draw them per chunk), so with
 dropout the weights match an uninterrupted run only statistically.
+
+Host memory: pinned memory running out (``cudaHostAlloc``: the DataLoader's ``pin_memory``,
+host offload) reads "CUDA error: out of memory", but a smaller batch does not free it
+(``detect.host_memory_error``): ``OOMRecoveryError`` at once, naming it and what to change.
 
 Bounded: after ``max_oom_recoveries`` recoveries (forward/backward, optimizer and evaluation
 together), when a micro-batch (or an eval batch) of one sample runs out of memory, or when an
@@ -60,16 +65,19 @@ from transformers import Trainer
 
 from .._errors import HfMemkitError
 from .detect import (  # noqa: F401  (re-exported: hf_memkit.callbacks, MemoryCallback)
+    HOST_FIX,
     MEMORY_VIZ,
     OOM_MESSAGES,
     dump_snapshot,
+    first_line,
+    host_memory_error,
     is_oom_error,
     recording_memory_history,
     snapshot_paths,
     start_memory_history,
     stop_memory_history,
 )
-from .step import StepWatch, batch_size_of, single_tensor_kernels, split_batch
+from .step import HostBackup, StepWatch, batch_size_of, single_tensor_kernels, split_batch
 
 logger = logging.getLogger(__name__)
 
@@ -103,14 +111,8 @@ class OOMRecovery:
 
 
 class OOMRecoveryError(HfMemkitError, RuntimeError):
-    """Raised when the OOM guard has run out of recoveries."""
-
-
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
+    """Raised when the OOM guard has run out of recoveries, or when host memory ran out (which a
+    smaller batch does not free)."""
 
 
 _PLAN = "or run `hf-memkit plan` (hf_memkit.plan_training) for a setup that fits this GPU"
@@ -130,11 +132,6 @@ _FIX = {
         "metric needs (prediction_loss_only=True or preprocess_logits_for_metrics), evaluate in "
         f"bf16 (bf16_full_eval=True), shorten the max length, {_PLAN}"),
 }
-
-
-def _recoverable(exc: BaseException) -> bool:
-    """An OOM the guard may act on (not its own give-up, whose message quotes the OOM)."""
-    return is_oom_error(exc) and not isinstance(exc, OOMRecoveryError)
 
 
 class OOMGuardMixin:
@@ -157,7 +154,7 @@ class OOMGuardMixin:
             raise HfMemkitError(f"max_oom_recoveries must be >= 0, got {max_oom_recoveries}")
         self.max_oom_recoveries = max_oom_recoveries
         self.oom_step_backup = bool(oom_step_backup)
-        self._oom_backup_buffers: dict[int, torch.Tensor] = {}
+        self._oom_backup = HostBackup()
         self._oom_step_retried = -1                 # the optimizer step already retried once
         self._oom_eval_batch0 = self.args.per_device_eval_batch_size
         self.oom_snapshot_dir = oom_snapshot_dir
@@ -185,7 +182,7 @@ class OOMGuardMixin:
                     self._oom_replay = False
                 return self._oom_forward_backward(model, inputs, num_items_in_batch)
             except Exception as exc:
-                if not _recoverable(exc):
+                if not self._oom_recoverable(exc, "forward/backward"):
                     raise
                 cause, snapshot = self._oom_note(exc)
             # Outside the except block: the traceback (and the activations its frames hold) is gone.
@@ -258,11 +255,11 @@ class OOMGuardMixin:
         def step(*args, **kwargs):
             while True:
                 watch = StepWatch.before_step(
-                    raw, self._oom_backup_buffers if self.oom_step_backup else None)
+                    raw, self._oom_backup if self.oom_step_backup else None)
                 try:
                     return inner_step(*args, **kwargs)
                 except Exception as exc:
-                    if not _recoverable(exc):
+                    if not self._oom_recoverable(exc, "optimizer step"):
                         raise
                     cause, snapshot = self._oom_note(exc)
                 self._oom_retry_step(watch, cause, snapshot)
@@ -310,7 +307,7 @@ class OOMGuardMixin:
             try:
                 return run(*args, **kwargs)
             except Exception as exc:
-                if not _recoverable(exc):
+                if not self._oom_recoverable(exc, "evaluation"):
                     raise
                 cause, snapshot = self._oom_note(exc)
             self._oom_free(None, drop_grads=False)
@@ -332,6 +329,27 @@ class OOMGuardMixin:
 
     # -- shared ---------------------------------------------------------------------------------
 
+    def _oom_recoverable(self, exc: BaseException, where: str) -> bool:
+        """A device OOM the guard may act on (not its own give-up, whose message quotes the OOM);
+        host memory running out stops the run here, saying what to change."""
+        if isinstance(exc, OOMRecoveryError):
+            return False
+        host = host_memory_error(exc, self.args.device.type)
+        if host is not None:
+            raise OOMRecoveryError(
+                f"{host} ran out at {self._oom_when(where)} ({where}): "
+                f"{first_line(exc).rstrip('.')}. It is "
+                "not the device's memory: a smaller batch would not free it, so the OOM guard "
+                f"does not retry. To fix: {HOST_FIX[host]}") from exc
+        return is_oom_error(exc)
+
+    def _oom_when(self, where: str) -> str:
+        gs = self.state.global_step
+        if where != "evaluation":
+            return f"optimizer step {gs + 1}"
+        return f"the evaluation after optimizer step {gs}" if gs else \
+            "the evaluation before any optimizer step"
+
     def _oom_note(self, exc: BaseException) -> tuple[str, str | None]:
         """The cause, and a snapshot taken while the failed step's memory is still held."""
         if self.args.world_size > 1:
@@ -341,7 +359,7 @@ class OOMGuardMixin:
                 "Lower per_device_train_batch_size or plan with hf_memkit.plan_training") from exc
         directory = self.oom_snapshot_dir or self.args.output_dir or "."
         name = f"oom_snapshot_step{self.state.global_step + 1}_{len(self.oom_recoveries) + 1}"
-        return _first_line(exc), dump_snapshot(directory, name)
+        return first_line(exc), dump_snapshot(directory, name)
 
     def _oom_free(self, model, *, drop_grads: bool) -> None:
         if drop_grads:
@@ -383,18 +401,13 @@ class OOMGuardMixin:
         snaps = [r.snapshot for r in self.oom_recoveries if r.snapshot] + ([snapshot] if snapshot else [])
         where_snap = (f"; allocator snapshot: {snaps[-1]} (open at {MEMORY_VIZ})" if snaps else
                       "; no allocator snapshot (MemoryCallback(record_history=True) keeps one on CUDA)")
-        gs = self.state.global_step
-        when = f"optimizer step {gs + 1}"
-        if where == "evaluation":
-            when = f"the evaluation after optimizer step {gs}" if gs else \
-                "the evaluation before any optimizer step"
         if fix is None:
             fix = _FIX[where]
             if where == "forward/backward" and self._oom_micro_batch()[0] > 1:
                 fix = ("lower per_device_train_batch_size (raise gradient_accumulation_steps to "
                        "keep the effective batch), " + fix)
-        raise OOMRecoveryError(f"{problem} at {when} ({where}): {cause}. Setups tried: "
-                               f"{self._setups(where)}{where_snap}. To fix: {fix}")
+        raise OOMRecoveryError(f"{problem} at {self._oom_when(where)} ({where}): {cause}. "
+                               f"Setups tried: {self._setups(where)}{where_snap}. To fix: {fix}")
 
     def _oom_replan(self, where: str, cause: str, snapshot: str | None,
                     batch: int | None) -> None:

@@ -9,6 +9,12 @@ an OOM: if nothing changed (the usual case: the first step's state allocation, o
 before any update), state made during the failed call is dropped; if something changed and
 ``oom_step_backup=True`` kept a host copy of the parameters and optimizer state, the changed
 ones are copied back. Either way the step is then exactly as before.
+
+The host copy (``HostBackup``) is pinned for tensors on CUDA, so that the copies are queued on
+the stream without waiting. When torch cannot pin it (cudaHostAlloc fails: pinned memory ran
+out), the guard says so and keeps the copy in pageable memory from then on (each copy then
+waits for the device; the undo stays exact). When the host has no memory for the copy at all,
+the guard says so and that step has none: an OOM after a partial update then stops the run.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from .detect import first_line
 
 logger = logging.getLogger("hf_memkit._oom.guard")
 
@@ -45,39 +53,73 @@ def split_batch(inputs: Mapping[str, Any], chunk: int | None) -> list[dict[str, 
     return out
 
 
-def _host_buffer(t: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor:
-    if old is not None and old.shape == t.shape and old.dtype == t.dtype:
-        return old
-    return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+class HostBackup:
+    """The host copies of parameters and optimizer state (``oom_step_backup=True``), kept across
+    steps so that host memory is allocated once; pinned for tensors on CUDA until torch cannot
+    pin any more, pageable from then on."""
+
+    def __init__(self):
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.pinned = True          # pin copies of CUDA tensors (until pinning fails once)
+        self.warned_none = False
+
+    def buffer(self, t: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor | None:
+        """A host tensor for ``t``'s copy (``old`` when it still fits), or ``None`` when the host
+        has no memory for it."""
+        if old is not None and old.shape == t.shape and old.dtype == t.dtype:
+            return old
+        if self.pinned and t.is_cuda:
+            try:
+                return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+            except RuntimeError as exc:     # cudaHostAlloc failed: "CUDA error: out of memory"
+                self.pinned = False
+                logger.warning(
+                    "OOM guard: the optimizer-step backup (oom_step_backup=True) could not get "
+                    "pinned (page-locked) host memory (%s); it uses pageable host memory from now "
+                    "on: each step's copy to the host waits for the GPU (slower), and an OOM after "
+                    "a partial update is still undone exactly. To keep it pinned, free host RAM "
+                    "or pin less elsewhere (dataloader_pin_memory=False, less offload to the host)",
+                    first_line(exc))
+        try:
+            return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        except RuntimeError as exc:         # "DefaultCPUAllocator: can't allocate memory"
+            if not self.warned_none:
+                self.warned_none = True
+                logger.warning(
+                    "OOM guard: no host memory for the optimizer-step backup (oom_step_backup="
+                    "True) (%s); a step without it cannot undo a partial update: an OOM after one "
+                    "stops the run (OOMRecoveryError) instead. Free host RAM to keep the backup",
+                    first_line(exc))
+            return None
 
 
 class StepWatch:
     """What one optimizer step may change, noted just before it runs (see the module docstring).
 
     ``notes[p]``: the parameter's version counter and its state (``None`` when it has none):
-    for each entry the tensor object and its version, or the plain value. With ``buffers`` (a
-    dict kept across steps, so the host memory is allocated once), a host copy of every parameter
-    with a gradient and of its state tensors: copies onto pinned memory are queued on the
-    current stream before the step's kernels, so they see the values before the step.
+    for each entry the tensor object and its version, or the plain value. With ``backup``, a
+    host copy of every parameter with a gradient and of its state tensors (``copies``; ``None``
+    when the host had no memory for them): copies onto pinned memory are queued on the current
+    stream before the step's kernels, so they see the values before the step.
     """
 
     @classmethod
-    def before_step(cls, opt, buffers: dict[int, torch.Tensor] | None) -> StepWatch | None:
+    def before_step(cls, opt, backup: HostBackup | None) -> StepWatch | None:
         """The watch, or ``None`` for an optimizer whose state cannot be read this way (a
         wrapper such as DeepSpeed's): then a partial update cannot be ruled out."""
         try:
-            return cls(opt, buffers)
+            return cls(opt, backup)
         except (AttributeError, KeyError, TypeError, RuntimeError) as exc:
             logger.debug("OOM guard: cannot note %s's state (%s)", type(opt).__name__, exc)
             return None
 
-    def __init__(self, opt: torch.optim.Optimizer, buffers: dict[int, torch.Tensor] | None):
+    def __init__(self, opt: torch.optim.Optimizer, backup: HostBackup | None):
         self.opt = opt
         self.params = [p for group in opt.param_groups for p in group["params"]]
         self.notes = {p: self._note(p) for p in self.params}
         self.copies: dict[int, torch.Tensor] | None = None
-        if buffers is not None:
-            self.copies = self._copy(buffers)
+        if backup is not None:
+            self.copies = self._copy(backup)
 
     def _note(self, p: torch.Tensor):
         state = self.opt.state.get(p)
@@ -86,18 +128,19 @@ class StepWatch:
         return p._version, {k: (v, v._version) if torch.is_tensor(v) else (None, v)
                             for k, v in state.items()}
 
-    def _copy(self, buffers: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        old, copies = dict(buffers), {}
+    def _copy(self, backup: HostBackup) -> dict[int, torch.Tensor] | None:
+        old, copies = backup.buffers, {}
         for p in self.params:
             if p.grad is None:
                 continue
             tensors = [p] + [v for v in (self.opt.state.get(p) or {}).values() if torch.is_tensor(v)]
             for t in tensors:
-                buf = _host_buffer(t, old.get(id(t)))
+                buf = backup.buffer(t, old.get(id(t)))
+                if buf is None:
+                    return None         # all or nothing: ``undo`` restores every state tensor
                 buf.copy_(t.detach(), non_blocking=buf.is_pinned())
                 copies[id(t)] = buf
-        buffers.clear()
-        buffers.update(copies)
+        backup.buffers = copies
         return copies
 
     def _changed(self, p: torch.Tensor) -> bool:

@@ -231,7 +231,8 @@ def test_cuda_path_on_fakes(tmp_path, monkeypatch):
         assert h["memory/actual_over_predicted"] == pytest.approx(1.0)
         assert "memory/rss_gib" not in h
     # allocator history recorded from train begin, switched off at train end
-    assert history == [((), {"max_entries": 1234}), ((), {"enabled": None})]
+    assert history == [((), {"enabled": "all", "context": "all", "stacks": "python",
+                             "max_entries": 1234}), ((), {"enabled": None})]
     assert "nvmlInitWithFlags" in machine.calls and machine.calls[-1] == "nvmlShutdown"
     # no reading at all during the steps that do not log (1 and 3)
     assert {s for s in read_in if s is not None} == {2, 4}

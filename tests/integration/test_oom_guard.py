@@ -9,17 +9,32 @@ from __future__ import annotations
 
 import copy
 import gc
+import sys
 
 import pytest
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from torch._utils import ExceptionWrapper
+from transformers import (
+    Trainer,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 
 from hf_memkit._oom import detect as _oom_detect
 from hf_memkit._run.synthetic import SyntheticTextDataset
-from hf_memkit.callbacks import OOMGuardTrainer, OOMRecoveryError, is_oom_error
+from hf_memkit.callbacks import MemoryCallback, OOMGuardTrainer, OOMRecoveryError, is_oom_error
 
 MBS, GA, STEPS = 4, 2, 3
 OOM_TEXT = "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.15 GiB total capacity)"
+# What torch 2.13 raises (torch.AcceleratorError, from C10_CUDA_CHECK) when cudaHostAlloc fails in
+# its CachingHostAllocator: pinned host memory ran out (Tensor.pin_memory(), pin_memory=True). The
+# words are those of any CUDA runtime call's cudaErrorMemoryAllocation.
+PINNED_OOM = ("CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation' in "
+              "https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__TYPES.html for more "
+              "information.\nFor more detailed error information, run with CUDA_LOG_FILE=stderr\n"
+              "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n")
 
 
 def pad_collate(items):
@@ -310,3 +325,61 @@ def test_is_oom_error():
     assert is_oom_error(RuntimeError(OOM_TEXT))
     assert not is_oom_error(RuntimeError("expected scalar type Float"))
     assert not is_oom_error(ValueError(OOM_TEXT))
+
+
+def test_pinned_host_memory_is_not_a_device_oom():
+    """The same words as a device OOM outside the caching allocator, told apart by where they
+    came from: pinning a tensor (the call that raised asks for pinned memory) or the
+    DataLoader's pin-memory thread (its re-raised message names the thread)."""
+    try:                       # the real call; on this CPU machine it fails for another reason
+        torch.empty(4, pin_memory=True)
+    except RuntimeError as exc:
+        at_pinning = torch.AcceleratorError(PINNED_OOM).with_traceback(exc.__traceback__)
+    try:
+        raise torch.AcceleratorError(PINNED_OOM)
+    except RuntimeError:
+        wrapped = ExceptionWrapper(where="in pin memory thread for device 0")
+    with pytest.raises(torch.AcceleratorError) as from_thread:
+        wrapped.reraise()
+    for exc in (at_pinning, from_thread.value):
+        assert not is_oom_error(exc)
+        assert _oom_detect.host_memory_error(exc, "cuda") == _oom_detect.PINNED
+    device_side = torch.AcceleratorError(PINNED_OOM)   # raised elsewhere: the device's memory
+    assert is_oom_error(device_side) and _oom_detect.host_memory_error(device_side) is None
+    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't "
+                       "allocate memory: you tried to allocate 402653184 bytes.")
+    assert _oom_detect.host_memory_error(cpu, "cuda") == _oom_detect.HOST   # host RAM on a GPU run
+    assert _oom_detect.host_memory_error(cpu, "cpu") is None                # the CPU run's device
+
+
+def _record_memory_history(enabled="all", context="all", stacks="all", max_entries=sys.maxsize,
+                           device=None, clear_history=False, compile_context=False,
+                           global_record_annotations=False, skip_actions=None):
+    """torch 2.13's signature (torch.cuda.memory._record_memory_history_impl); the calls it got."""
+    _record_memory_history.calls.append(dict(
+        enabled=enabled, context=context, stacks=stacks, max_entries=max_entries))
+
+
+def test_memory_history_keeps_python_stacks_only(monkeypatch, tmp_path):
+    """MemoryCallback(record_history=True) on CUDA records Python stacks only: torch's default
+    (stacks="all") also unwinds the C++ stack of every allocation and free."""
+    from hf_memkit._callbacks import memory as memory_mod
+    from hf_memkit._callbacks._readers import CudaReader
+
+    _record_memory_history.calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", _record_memory_history)
+    monkeypatch.setattr(_oom_detect, "_recording", False)
+    monkeypatch.setattr(CudaReader, "open_nvml", lambda self: None)
+    monkeypatch.setattr(memory_mod, "make_reader", lambda device: CudaReader(0))
+    for name in ("memory_allocated", "memory_reserved", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: None)
+    cb = MemoryCallback(record_history=True, max_entries=5000, plot=False, report=False)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    state = TrainerState()
+    cb.on_train_begin(args, state, TrainerControl())
+    assert _oom_detect.recording_memory_history()
+    cb.on_train_end(args, state, TrainerControl())
+    start, stop = _record_memory_history.calls
+    assert start == dict(enabled="all", context="all", stacks="python", max_entries=5000)
+    assert stop["enabled"] is None and not _oom_detect.recording_memory_history()

@@ -20,6 +20,7 @@ from hf_memkit._run.synthetic import SyntheticTextDataset
 from tests.integration.test_oom_guard import (
     DATA,
     OOM_TEXT,
+    PINNED_OOM,
     MemoryAtStepEnd,
     inject_backward,
     oom,
@@ -184,6 +185,45 @@ def test_evaluate_at_eval_batch_one_says_what_to_do(base_model, tmp_path):
     assert "at the evaluation before any optimizer step (evaluation)" in msg
     assert "per_device_eval_batch_size 4 -> 2 -> 1" in msg
     assert "eval_accumulation_steps" in msg and "hf-memkit plan" in msg
+
+
+def on_cuda_pinning_fails(trainer, monkeypatch):
+    """What a CUDA machine whose pinned host memory ran out does: the DataLoader pins every batch
+    (dataloader_pin_memory=True, the default there; use_cpu=True turns it off), and each
+    Tensor.pin_memory() fails as cudaHostAlloc does."""
+
+    def pin_memory(self, *args, **kwargs):
+        raise torch.AcceleratorError(PINNED_OOM)
+
+    trainer.args.dataloader_pin_memory = True
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator",
+                        lambda *a, **k: torch.device("cuda"))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+
+
+def test_pinned_host_memory_running_out_stops_instead_of_halving_the_eval_batch(
+        base_model, tmp_path, monkeypatch):
+    """Pinning an eval batch fails with CUDA's "out of memory": host memory, which a smaller eval
+    batch does not free. The guard stops at once and says what to change, rather than halving
+    the eval batch down to one sample and then blaming the GPU."""
+    holder = []
+
+    def setup(trainer):
+        holder.append(trainer)
+        on_cuda_pinning_fails(trainer, monkeypatch)
+
+    with pytest.raises(mk.OOMRecoveryError) as err:
+        train(Guarded, copy.deepcopy(base_model), tmp_path, setup=setup, evaluate=True,
+              per_device_eval_batch_size=8, trainer_kw={"max_oom_recoveries": 5})
+    msg = str(err.value)
+    assert msg.startswith("pinned (page-locked) host memory ran out at the evaluation before any "
+                          "optimizer step (evaluation): AcceleratorError: CUDA error: out of memory")
+    assert "not the device's memory" in msg and "dataloader_pin_memory=False" in msg
+    assert isinstance(err.value.__cause__, torch.AcceleratorError)
+    g = holder[0]
+    assert g.oom_recoveries == [] and g.args.per_device_eval_batch_size == 8
+    assert g.eval_sizes == []                          # no batch reached the model
 
 
 # ---- which errors are OOMs --------------------------------------------------------------------
@@ -423,3 +463,46 @@ def test_partial_update_without_backup_stops_instead_of_drifting(base_model, tmp
     assert "at optimizer step 2 (optimizer step)" in msg
     assert "oom_step_backup=True" in msg and "adamw_bnb_8bit" in msg
     assert holder[0].state.global_step == 1 and holder[0].oom_recoveries == []
+
+
+class OnCuda(torch.nn.Parameter):
+    """A parameter that says it lives on CUDA (what this machine cannot have): the step backup
+    asks pinned host memory for its copy."""
+
+    is_cuda = property(lambda self: True)
+
+
+def test_step_backup_without_pinned_memory_warns_and_still_undoes_the_step(
+        base_model, tmp_path, monkeypatch, caplog):
+    """oom_step_backup=True on CUDA, and pinned host memory has run out: the backup says so and
+    keeps its copy in pageable memory, so step 2's optimizer OOM after a partial update is still
+    undone exactly and the run matches an uninterrupted one."""
+    real_empty, pinned_asks = torch.empty, []
+
+    def empty(*args, pin_memory=False, **kwargs):   # cudaHostAlloc fails, as torch raises it
+        if pin_memory:
+            pinned_asks.append(args)
+            raise torch.AcceleratorError(PINNED_OOM)
+        return real_empty(*args, **kwargs)
+
+    holder = []
+
+    def setup(trainer):
+        holder.append(trainer)
+        for p in trainer.model.parameters():
+            p.__class__ = OnCuda
+        monkeypatch.setattr(torch, "empty", empty)
+
+    ref = partial_run(Reference, copy.deepcopy(base_model), tmp_path / "ref", "single-tensor")
+    with caplog.at_level("WARNING", logger="hf_memkit._oom.guard"):
+        g = train(Guarded, copy.deepcopy(base_model), tmp_path / "g", setup=setup,
+                  callbacks=[PartialUpdateOOM(holder, "single-tensor")],
+                  trainer_kw={"oom_step_backup": True}, optim="adamw_torch")
+    [rec] = g.oom_recoveries
+    assert (rec.step, rec.where) == (2, "optimizer step")
+    assert "changed tensors restored from the host copy" in rec.action
+    assert_same_training(ref, g, rtol=1e-9, atol=1e-12)
+    assert len(pinned_asks) == 1                      # asked once; pageable from then on
+    [warning] = [r.getMessage() for r in caplog.records if "pinned" in r.getMessage()]
+    assert "could not get pinned (page-locked) host memory" in warning
+    assert "CUDA error: out of memory" in warning and "pageable host memory" in warning
