@@ -5,9 +5,12 @@ calls. The rules (see ``tests.fakes.machine``): CUDA's device order (FASTEST_FIR
 ``CUDA_DEVICE_ORDER=PCI_BUS_ID``), ``CUDA_VISIBLE_DEVICES`` parsed as the driver parses it
 (integers index CUDA's order, unique ``GPU-``/``MIG-`` prefixes, the first invalid entry ends
 the list, a repeat empties it), a MIG GPU seen as its first instance unless one is named,
-``get_device_properties`` without a context, ``mem_get_info`` / ``set_device`` / allocations
-creating one on that device that NVML then counts. Per-process state (current device, the
-allocator's counters) belongs to ``machine.this``, so ``machine.become(rank)`` switches ranks.
+``get_device_properties`` without a context, ``mem_get_info`` / ``set_device`` /
+``synchronize`` / allocations creating one on that device that NVML then counts. A torch build
+whose device properties lack fields (``install_cuda(..., missing_properties=("uuid",))``) is
+answered without those attributes, as ``getattr(props, "uuid", None)`` then sees. Per-process
+state (current device, the allocator's counters) belongs to ``machine.this``, so
+``machine.become(rank)`` switches ranks.
 """
 
 from __future__ import annotations
@@ -72,9 +75,10 @@ class UUID:
 
 
 class FakeCuda:
-    def __init__(self, machine: Machine):
+    def __init__(self, machine: Machine, missing_properties: tuple[str, ...] = ()):
         self.machine = machine
         self.initialized = False
+        self.missing_properties = set(missing_properties)
 
     def devices(self) -> list[Gpu | Mig]:
         return enumerate_devices(self.machine)
@@ -122,12 +126,14 @@ class FakeCuda:
         self.initialized = True
         t = self.target(device)
         g = t.parent if isinstance(t, Mig) else t
-        return types.SimpleNamespace(
+        props = dict(
             name=t.name, major=g.cc[0], minor=g.cc[1],
             total_memory=t.total - self.machine.reserved_of(t),
             multi_processor_count=g.sm_count if isinstance(t, Gpu) else g.sm_count // 7,
             uuid=UUID(t.uuid), pci_bus_id=g.pci_bus, pci_device_id=0, pci_domain_id=0,
             is_integrated=0, is_multi_gpu_board=0, L2_cache_size=40 * 2**20)
+        return types.SimpleNamespace(**{k: v for k, v in props.items()
+                                        if k not in self.missing_properties})
 
     def get_device_name(self, device=None) -> str:
         return self.get_device_properties(device).name
@@ -177,6 +183,7 @@ class FakeCuda:
 
     def synchronize(self, device=None) -> None:
         self.initialized = True
+        self.machine.open_context(self.target(device).uuid)   # cudaDeviceSynchronize needs one
 
     # --- what tests do to it -----------------------------------------------------------------
 
@@ -184,6 +191,10 @@ class FakeCuda:
         """This process allocates ``nbytes`` on ``device`` (as a tensor would)."""
         self.initialized = True
         self.machine.allocate(self.target(device).uuid, nbytes)
+
+    def release(self, nbytes: int, device=None) -> None:
+        """This process frees ``nbytes`` of tensors; the allocator keeps the blocks reserved."""
+        self.machine.release(self.target(device).uuid, nbytes)
 
 
 PATCHED = ("is_available", "device_count", "is_initialized", "init", "current_device",
@@ -193,10 +204,12 @@ PATCHED = ("is_available", "device_count", "is_initialized", "init", "current_de
            "synchronize")
 
 
-def install_cuda(machine: Machine, monkeypatch) -> FakeCuda:
+def install_cuda(machine: Machine, monkeypatch, *,
+                 missing_properties: tuple[str, ...] = ()) -> FakeCuda:
     """Replace those ``torch.cuda`` (and ``torch.cuda.memory``) functions; ``torch.version.cuda``
-    reads ``machine.cuda_version``."""
-    fake = FakeCuda(machine)
+    reads ``machine.cuda_version``. ``missing_properties``: fields this torch build's
+    ``get_device_properties`` does not have (e.g. ``"uuid"``)."""
+    fake = FakeCuda(machine, missing_properties)
     for name in PATCHED:
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
         if hasattr(torch.cuda.memory, name):

@@ -18,6 +18,12 @@ Nothing here is shaped by hf_memkit. Two views read one ``Machine``, each with i
 - On a GPU in MIG mode, the parent's memory info and process list need root
   (``NVML_ERROR_NO_PERMISSION``); each MIG instance's own handle answers for its slice;
   utilisation is ``NOT_SUPPORTED``.
+- A process list names each process once per device it holds memory on, with its host pid and
+  bytes; on a GPU under Windows' WDDM driver model every ``usedGpuMemory`` is
+  ``NVML_VALUE_NOT_AVAILABLE`` (Windows' kernel driver manages the memory, not NVIDIA's).
+- The driver's library is one per process: nvidia-ml-py and a direct
+  ``ctypes.CDLL("libnvidia-ml.so.1")`` reach the same one, and an older driver's library lacks
+  newer symbols (``Machine.nvml_absent``), so a caller falls back to an older version of a call.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class Gpu:
     reserved: int = 512 * MiB         # the driver's own reservation (NVML v2 `reserved`)
     migs: list[Mig] = field(default_factory=list)   # non-empty: MIG mode is on
     mig_capable: bool = False
+    wddm: bool = False                # Windows, WDDM driver model: no per-process bytes
 
     def __post_init__(self):
         for m in self.migs:
@@ -97,6 +104,7 @@ class Machine:
         self.this = Process(os.getpid())
         self.processes: list[Process] = [self.this]
         self.nvml_errors: dict[str, int] = {}   # C function name -> nvmlReturn_t it fails with
+        self.nvml_absent: set[str] = set()     # C functions the driver's library lacks (older)
         self.calls: list[str] = []             # NVML C functions called, in order
 
     # --- what is where ----------------------------------------------------------------------

@@ -1,15 +1,21 @@
-"""NVML's C library, faked under nvidia-ml-py's real ``pynvml`` module.
+"""NVML's C library, faked: what the driver's ``libnvidia-ml.so.1`` answers.
 
-``install_nvml(machine, monkeypatch)`` sets ``pynvml.nvmlLib`` to ``FakeLib``: every pynvml
-function then runs its real Python (argument structs, ``NVMLError`` subclasses, the
-two-call process-list protocol) and reaches this library where the real one would be called.
-Each C function takes the ctypes arguments pynvml passes and returns an ``nvmlReturn_t``,
-following NVML's documented rules (see ``tests.fakes.machine``).
+``install_nvml(machine, monkeypatch)`` makes ``FakeLib`` what loading ``libnvidia-ml.so.1``
+gives, through ``ctypes.CDLL`` (and the ``CDLL`` nvidia-ml-py imported from ctypes): the real
+``pynvml`` then loads it itself on ``nvmlInit`` and runs its real Python (argument structs,
+``NVMLError`` subclasses, the two-call process-list protocol), and code that calls the library
+through ctypes directly reaches the same library, as ``dlopen`` gives one per process.
+``nvidia_ml_py=False``: the package is not installed, only the driver's library is.
+Each C function takes the ctypes arguments a caller passes (``byref`` structs and integers,
+``c_char_p``, ``c_uint``, ``c_void_p`` / ``nvmlDevice_t`` handles, buffers and their sizes) and
+returns an ``nvmlReturn_t``, following NVML's documented rules (see ``tests.fakes.machine``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+import sys
 
 import pynvml
 
@@ -27,6 +33,11 @@ ERROR_TEXT = {
     pynvml.NVML_ERROR_UNKNOWN: b"Unknown Error",
 }
 NOT_IN_MIG = 0xFFFFFFFF       # gpuInstanceId / computeInstanceId of a process outside MIG
+NOT_AVAILABLE = 2**64 - 1     # NVML_VALUE_NOT_AVAILABLE (unsigned long long)
+LIBRARY = "libnvidia-ml.so.1"
+NO_LIBRARY = f"{LIBRARY}: cannot open shared object file: No such file or directory"
+INIT = ("nvmlInitWithFlags", "nvmlInit_v2", "nvmlErrorString")   # callable before an init
+REAL_CDLL = ctypes.CDLL
 
 
 class _Fn:
@@ -40,7 +51,7 @@ class _Fn:
         m.calls.append(self.name)
         if self.name in m.nvml_errors:
             return m.nvml_errors[self.name]
-        if self.name not in ("nvmlInitWithFlags", "nvmlErrorString") and self.lib.refcount == 0:
+        if self.name not in INIT and self.lib.refcount == 0:
             return pynvml.NVML_ERROR_UNINITIALIZED
         return self.impl(*args)
 
@@ -68,20 +79,38 @@ def _text(arg) -> str:
     return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
+def _int(arg) -> int:
+    return int(arg.value if hasattr(arg, "value") else arg)
+
+
+def _put(buf, size, text: str) -> int:
+    """A string into the caller's buffer of ``size`` bytes, its NUL included."""
+    data = text.encode()
+    if len(data) + 1 > _int(size):
+        return pynvml.NVML_ERROR_INSUFFICIENT_SIZE
+    buf.value = data
+    return S
+
+
 class FakeLib:
-    """``libnvidia-ml.so.1`` over ``machine``. Handles are addresses 0x1000 + n."""
+    """``libnvidia-ml.so.1`` over ``machine``. Handles are addresses 0x1000 + n. A symbol the
+    library lacks (not faked, or in ``machine.nvml_absent``) raises ``AttributeError`` as a
+    ``ctypes.CDLL`` does; pynvml turns that into ``NVMLError_FunctionNotFound``."""
 
     def __init__(self, machine: Machine):
         self.machine, self.refcount = machine, 0
         self._handles = {0x1000 + i: t for i, t in enumerate(machine.targets())}
+        self._fns: dict[str, _Fn] = {}
 
     def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
         impl = getattr(type(self), "_" + name, None)
-        if impl is None:
-            raise AttributeError(name)   # pynvml turns this into NVMLError_FunctionNotFound
-        fn = _Fn(self, name, impl.__get__(self))
-        self.__dict__[name] = fn
-        return fn
+        if impl is None or name in self.machine.nvml_absent:
+            raise AttributeError(f"{LIBRARY}: undefined symbol: {name}")
+        if name not in self._fns:   # one function object: restype set on it stays
+            self._fns[name] = _Fn(self, name, impl.__get__(self))
+        return self._fns[name]
 
     def _id(self, t: Gpu | Mig) -> int:
         return next(k for k, v in self._handles.items() if v is t)
@@ -101,6 +130,9 @@ class FakeLib:
         self.refcount += 1
         return S
 
+    def _nvmlInit_v2(self):            # = nvmlInitWithFlags(0)
+        return self._nvmlInitWithFlags(0)
+
     def _nvmlShutdown(self):
         self.refcount = max(0, self.refcount - 1)
         return S
@@ -109,8 +141,7 @@ class FakeLib:
         return ERROR_TEXT.get(code, b"Unknown Error")
 
     def _nvmlSystemGetDriverVersion(self, buf, size):
-        buf.value = self.machine.driver.encode()
-        return S
+        return _put(buf, size, self.machine.driver)
 
     def _nvmlDeviceGetCount_v2(self, ref):
         _obj(ref).value = len(self.machine.gpus)
@@ -137,15 +168,13 @@ class FakeLib:
         t = self._target(handle)
         if t is None:
             return pynvml.NVML_ERROR_INVALID_ARGUMENT
-        buf.value = t.name.encode()
-        return S
+        return _put(buf, size, t.name)
 
     def _nvmlDeviceGetUUID(self, handle, buf, size):
         t = self._target(handle)
         if t is None:
             return pynvml.NVML_ERROR_INVALID_ARGUMENT
-        buf.value = t.uuid.encode()
-        return S
+        return _put(buf, size, t.uuid)
 
     def _nvmlDeviceGetPciInfo_v3(self, handle, ref):
         t = self._target(handle)
@@ -229,8 +258,13 @@ class FakeLib:
         u.gpu, u.memory = 97, 41
         return S
 
-    def _processes(self, handle, ref, array, kind: str) -> int:
+    def _processes(self, handle, ref, array, kind: str, struct: int = 2) -> int:
+        """The two-call protocol: without an array (or too small a count) the count wanted and
+        ``INSUFFICIENT_SIZE``; ``struct`` 1 is ``nvmlProcessInfo_v1_t`` (pid, usedGpuMemory),
+        2 adds the MIG instance ids (``nvmlProcessInfo_t`` of the ``_v2`` and ``_v3`` calls)."""
         t = self._target(handle)
+        if t is None:
+            return pynvml.NVML_ERROR_INVALID_ARGUMENT
         if isinstance(t, Gpu) and t.migs and not self.machine.root:
             return pynvml.NVML_ERROR_NO_PERMISSION
         uuids = [t.uuid] + ([m.uuid for m in t.migs] if isinstance(t, Gpu) else [])
@@ -241,35 +275,67 @@ class FakeLib:
             wanted = len(procs)
             count.value = wanted
             return S if wanted == 0 else pynvml.NVML_ERROR_INSUFFICIENT_SIZE
+        wddm = (t.parent if isinstance(t, Mig) else t).wddm
         for k, (p, u) in enumerate(procs):
             in_mig = u != t.uuid or isinstance(t, Mig)
-            array[k].pid, array[k].usedGpuMemory = p.pid, p.held(u)
-            array[k].gpuInstanceId = array[k].computeInstanceId = 0 if in_mig else NOT_IN_MIG
+            array[k].pid = p.pid
+            array[k].usedGpuMemory = NOT_AVAILABLE if wddm else p.held(u)
+            if struct >= 2:
+                array[k].gpuInstanceId = array[k].computeInstanceId = 0 if in_mig else NOT_IN_MIG
         count.value = len(procs)
         return S
 
     def _nvmlDeviceGetComputeRunningProcesses_v3(self, handle, ref, array):
         return self._processes(handle, ref, array, "compute")
 
+    def _nvmlDeviceGetComputeRunningProcesses_v2(self, handle, ref, array):
+        return self._processes(handle, ref, array, "compute")
+
+    def _nvmlDeviceGetComputeRunningProcesses(self, handle, ref, array):   # the v1 struct
+        return self._processes(handle, ref, array, "compute", struct=1)
+
     def _nvmlDeviceGetGraphicsRunningProcesses_v3(self, handle, ref, array):
         return self._processes(handle, ref, array, "graphics")
 
+    def _nvmlDeviceGetGraphicsRunningProcesses_v2(self, handle, ref, array):
+        return self._processes(handle, ref, array, "graphics")
 
-def install_nvml(machine: Machine, monkeypatch) -> FakeLib:
-    """Put ``FakeLib(machine)`` under the real ``pynvml``; undone with the test's monkeypatch."""
-    lib = FakeLib(machine)
-    monkeypatch.setattr(pynvml, "nvmlLib", lib)
+    def _nvmlDeviceGetGraphicsRunningProcesses(self, handle, ref, array):  # the v1 struct
+        return self._processes(handle, ref, array, "graphics", struct=1)
+
+
+def _dlopen(monkeypatch, lib: FakeLib | None) -> None:
+    """Loading ``libnvidia-ml.so.1`` (by that name or a path to it) through ``ctypes.CDLL``, or
+    through the ``CDLL`` nvidia-ml-py took from ctypes, gives ``lib``; ``None``: the library is
+    not there (``OSError``, as ``dlopen`` fails). Every other library loads as before."""
+    def cdll(name, *args, **kwargs):
+        if name is not None and os.path.basename(str(name)) in (LIBRARY, "libnvidia-ml.so"):
+            if lib is None:
+                raise OSError(NO_LIBRARY)
+            return lib
+        return REAL_CDLL(name, *args, **kwargs)
+
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
+    monkeypatch.setattr(pynvml, "CDLL", cdll)
+    monkeypatch.setattr(pynvml, "nvmlLib", None)             # not loaded yet in this process
     monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer_cache", {})
     monkeypatch.setattr(pynvml, "_nvmlLib_refcount", 0)
+
+
+def install_nvml(machine: Machine, monkeypatch, *, nvidia_ml_py: bool = True) -> FakeLib:
+    """The driver's NVML library over ``machine``: what ``ctypes.CDLL("libnvidia-ml.so.1")``
+    loads, and so what the real ``pynvml`` loads on ``nvmlInit`` (one library, one init
+    refcount). ``nvidia_ml_py=False``: nvidia-ml-py is not installed (``import pynvml`` raises
+    ``ImportError``); the library is. Undone with the test's monkeypatch."""
+    lib = FakeLib(machine)
+    _dlopen(monkeypatch, lib)
+    if not nvidia_ml_py:
+        monkeypatch.setitem(sys.modules, "pynvml", None)
     return lib
 
 
 def remove_nvml_library(monkeypatch) -> None:
-    """nvidia-ml-py installed, the driver's ``libnvidia-ml.so.1`` not: ``nvmlInit`` raises
-    ``NVMLError_LibraryNotFound`` as it does on a machine without the NVIDIA driver."""
-    def missing(*args, **kwargs):
-        raise OSError("libnvidia-ml.so.1: cannot open shared object file")
-
-    monkeypatch.setattr(pynvml, "nvmlLib", None)
-    monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer_cache", {})
-    monkeypatch.setattr(pynvml, "CDLL", missing)
+    """nvidia-ml-py installed, the driver's ``libnvidia-ml.so.1`` not (a machine or container
+    without the NVIDIA driver's libraries): ``nvmlInit`` raises ``NVMLError_LibraryNotFound``
+    and ``ctypes.CDLL("libnvidia-ml.so.1")`` raises ``OSError``."""
+    _dlopen(monkeypatch, None)

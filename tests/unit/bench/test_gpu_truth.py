@@ -1,7 +1,9 @@
 """bench/gpu_truth.py, the GPU ground-truth harness.
 
 On a CPU (CI): the command line, the matrix it lists, the no-GPU exit, result-file names, the
-error table, and the measuring window's plumbing on fakes. Whole runs (``--cpu-smoke`` on the
+error table, and the CUDA-only parts (which NVML card, the pin, the processes, the measuring
+window) on ``tests.fakes``: nvidia-ml-py's real module, or the harness's own ctypes calls, over a
+fake ``libnvidia-ml.so.1``, and ``torch.cuda``, both reading one GPU machine. Whole runs (``--cpu-smoke`` on the
 CPU, and the ``gpu``-marked real cases on a CUDA GPU): tests/integration/test_gpu_truth_runs.py.
 """
 
@@ -15,8 +17,10 @@ import time
 import types
 from pathlib import Path
 
+import pynvml
 import pytest
 
+from hf_memkit._units import GiB, MiB
 from tests.helpers import ROOT
 
 BENCH = ROOT / "bench"
@@ -28,15 +32,19 @@ import _gpu_facts  # noqa: E402  (what a run records beside its peaks)
 import _gpu_nvml  # noqa: E402  (CUDA device -> NVML device, processes, the pin)
 import gpu_truth  # noqa: E402
 
-from tests.unit.bench.nvml_fakes import (  # noqa: E402
-    NO_PERMISSION,
-    NOT_AVAILABLE,
-    NOT_SUPPORTED,
-    Card,
-    FakeNvmlLib,
+from tests.fakes import (  # noqa: E402
+    Gpu,
     Machine,
-    fake_pynvml,
+    a100,
+    enumerate_devices,
+    h100,
+    install_cuda,
+    install_nvml,
+    mig_uuid_of,
+    remove_nvml_library,
+    uuid_of,
 )
+from tests.fakes.machine import CONTEXT  # noqa: E402
 
 BNB = "bitsandbytes"
 SFT = "llama-160m.amp_bf16.sft.adamw_torch.sdpa.b4s1024"
@@ -271,51 +279,36 @@ def test_empty_table_and_rel_errors_of_a_failed_run():
     assert gpu_truth.rel_errors(_rec((1, 2), (1, 2), (1, 2), status="timeout")) == {}
 
 
-class _FakeStats:
-    """The allocator counters a Window reads, scripted per call."""
-
-    def __init__(self):
-        self.peak, self.calls = 100, []
-
-    def sync(self):
-        self.calls.append("sync")
-
-    def snapshot(self):
-        return {"max_allocated": self.peak, "max_reserved": 2 * self.peak, "allocated": 1,
-                "reserved": 2}
-
-    def reset_peak(self):
-        self.calls.append("reset")
-        self.peak = 0
-
-    def reserved(self):
-        return 2 * self.peak
-
-
-class _FakeNvml:
-    source = "fake"
-
-    def __init__(self, values):
-        self.values = iter(values)
-
-    def used(self):
-        return next(self.values, 7)
-
-
-def test_window_resets_after_step_1_and_samples_nvml_until_the_last_step():
-    stats = _FakeStats()
-    w = gpu_truth.Window(stats, _FakeNvml([5, 9, 6]), last_step=3)
+def test_window_resets_after_step_1_and_samples_nvml_until_the_last_step(gpus):
+    """The child's window over torch.cuda's allocator counters and NVML's device-wide figure,
+    this process's context and blocks included (CUDA device 0: the H100)."""
+    m = gpus()
+    h100 = m.gpus[1]
+    nvml = gpu_truth.open_nvml(0)
+    w = gpu_truth.Window(gpu_truth.CudaStats(True), nvml, last_step=3)
     w.sampler.interval = 10.0  # only the samples at start and stop: deterministic
+    m.cuda.allocate(300 * MiB)  # step 1: the peak
+    m.cuda.release(200 * MiB)
     w.after_step(1)
-    assert stats.calls == ["sync", "reset"] and w.result["step1"]["max_allocated"] == 100
-    stats.peak = 40
+    step1 = w.result["step1"]
+    assert (step1["max_allocated"], step1["allocated"]) == (300 * MiB, 100 * MiB)
+    others = h100.reserved + 2 * GiB + 64 * MiB  # the driver's and the other processes'
+    at_start = others + CONTEXT + 300 * MiB  # NVML: 300 MiB still reserved
+    assert nvml.used() == at_start
+    m.cuda.empty_cache()  # step 2: the cache goes back to the driver, then 40 MiB more
+    m.cuda.allocate(40 * MiB)
     w.after_step(2)
     assert "steady" not in w.result
     w.after_step(3)
     steady = w.result["steady"]
-    assert steady["max_allocated"] == 40 and steady["max_reserved"] == 80
-    assert steady["nvml_used_peak"] == 9 and steady["nvml_used_after"] == 6
-    assert steady["steps"] == 2 and steady["nvml_samples"] == 2
+    assert steady["max_allocated"] == 140 * MiB  # reset after step 1: 100, then 140
+    assert steady["max_reserved"] == 300 * MiB and steady["reserved"] == 140 * MiB
+    assert steady["nvml_used_peak"] == at_start  # the window's largest sample, not the last
+    assert steady["nvml_used_after"] == others + CONTEXT + 140 * MiB
+    assert steady["steps"] == 2 and steady["nvml_samples"] == 2 and steady["nvml_errors"] == 0
+    assert w.result["reserved_per_step"] == [300 * MiB, 140 * MiB, 140 * MiB]
+    procs = w.result["other_processes"]
+    assert procs["own_pid_listed"] is True and procs["others"] == [777, 778]
 
 
 def test_peak_sampler_polls_in_a_thread():
@@ -392,142 +385,227 @@ GPU_CASES = ("gpt2-124m.fp32.adamw_torch.sdpa.b8s1024",
 # ----------------------------------------------------------------------------------------------
 # issue 25: one pinned device, the right NVML card, an isolated cache, OOMs, fp16 skips
 # ----------------------------------------------------------------------------------------------
-GiB = 2**30
-A100_UUID = "a1b2c3d4-0000-4000-8000-00000000a100"
-H100_UUID = "5f2a9c1e-0b6d-4e11-9a77-3c2d1e0f4a5b"
-OWN = 31337
+A100_UUID, H100_UUID = uuid_of(0), uuid_of(1)  # NVML's full form, "GPU-..."
+A100_PREFIX = A100_UUID[:32]  # the shortest prefix only the A100's UUID starts with
+FRONTS = ("pynvml", "ctypes")  # nvidia-ml-py installed, or only the driver's library
 
 
-def _machine(**kw) -> Machine:
-    """PCI order (NVML's): the A100 (bus 0x07), then the H100 (bus 0x3b); CUDA's, fastest
-    first: the H100 is CUDA device 0, the A100 CUDA device 1."""
-    a100 = Card("NVIDIA A100-SXM4-80GB", A100_UUID, 0x07, used=11 * GiB,
-                compute=[(4242, 9 * GiB)], graphics=NOT_SUPPORTED)
-    h100 = Card("NVIDIA H100 80GB HBM3", H100_UUID, 0x3B, used=3 * GiB,
-                compute=[(777, 2 * GiB), (OWN, GiB)], graphics=[(778, NOT_AVAILABLE)])
-    return Machine([a100, h100], cuda_order=[1, 0], **kw)
+@pytest.fixture
+def gpus(monkeypatch):
+    """``gpus(front="pynvml", **cuda)``: a machine with two cards (``tests.fakes``) under NVML
+    and torch.cuda. PCI order (NVML's): the A100 (bus 0x07), then the H100 (bus 0x3b); CUDA's,
+    fastest first: the H100 is CUDA device 0, the A100 CUDA device 1. Pid 4242 holds 9 GiB on
+    the A100; on the H100 pid 777 computes with 2 GiB and pid 778 draws with 64 MiB. This
+    process holds nothing until CUDA creates its context. ``front="ctypes"``: nvidia-ml-py is
+    not installed, ``libnvidia-ml.so.1`` is; ``cuda``: ``install_cuda``'s keywords."""
+    for var in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
+        monkeypatch.setenv(var, "")  # recorded, so that what the code sets is undone
+        monkeypatch.delenv(var)
+
+    def make(front: str = "pynvml", machine: Machine | None = None, **cuda) -> Machine:
+        m = machine
+        if m is None:
+            m = Machine([a100(0x07, 0), h100(0x3B, 1)])
+            m.spawn(4242, A100_UUID, 9 * GiB)
+            m.spawn(777, H100_UUID, 2 * GiB)
+            m.spawn(778, H100_UUID, 64 * MiB, kind="graphics")
+        m.lib = install_nvml(m, monkeypatch, nvidia_ml_py=front == "pynvml")
+        m.cuda = install_cuda(m, monkeypatch, **cuda)
+        return m
+
+    return make
 
 
-def _open(monkeypatch, m: Machine, front: str, **lib_kw):
-    """open_nvml over ``m`` through one front end: nvidia-ml-py, or ctypes (no pynvml)."""
-    if front == "pynvml":
-        monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(m))
-    else:
-        monkeypatch.setitem(sys.modules, "pynvml", None)
-        monkeypatch.setattr(_gpu_nvml, "_nvml_library", lambda: FakeNvmlLib(m, **lib_kw))
-    reader = gpu_truth.open_nvml(0, get_properties=m.get_device_properties)
+def _open(front: str):
+    """open_nvml(0), as the harness does before CUDA is initialised, through ``front``."""
+    reader = gpu_truth.open_nvml(0)
     assert reader.source == ("pynvml" if front == "pynvml" else "libnvidia-ml.so.1 (ctypes)"), \
         reader.failures
     return reader
 
 
-@pytest.mark.parametrize("front", ["pynvml", "ctypes"])
+def _used_v1(m: Machine, gpu: Gpu) -> int:
+    """NVML's v1 ``used`` of ``gpu``: the driver's reservation and every process's bytes."""
+    return gpu.reserved + sum(p.held(gpu.uuid) for p in m.processes)
+
+
+@pytest.mark.parametrize("front", FRONTS)
 @pytest.mark.parametrize("visible, expected", [
     (None, "H100"),         # CUDA device 0 is the fastest card; NVML's index 0 is the A100
     ("0", "H100"),          # integers index CUDA's order, not NVML's
     ("1", "A100"),
-    ("GPU-a1b2", "A100"),   # a UUID prefix: CUDA takes it, NVML would not
+    (A100_PREFIX, "A100"),  # a UUID prefix: CUDA takes it, NVML would not
 ])
-def test_nvml_reads_the_card_cuda_calls_device_0(monkeypatch, front, visible, expected):
-    m = _machine()
-    if visible is None:
-        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    else:
+def test_nvml_reads_the_card_cuda_calls_device_0(gpus, monkeypatch, front, visible, expected):
+    m = gpus(front)
+    if visible is not None:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    card = next(c for c in m.cards if expected in c.name)
-    reader = _open(monkeypatch, m, front)
-    assert reader.name() == card.name and reader.used() == card.used
-    assert reader.uuid() == "GPU-" + card.uuid
-    assert reader.mapping == {"by": "uuid", "nvml_uuid": "GPU-" + card.uuid}
-    assert reader.ids["uuid"] == card.uuid and reader.driver() == "570.86.15"
+    gpu = next(g for g in m.gpus if expected in g.name)
+    reader = _open(front)
+    assert reader.name() == gpu.name and reader.used() == _used_v1(m, gpu)
+    assert reader.used() == gpu.reserved + (9 * GiB if expected == "A100" else 2 * GiB + 64 * MiB)
+    assert reader.uuid() == gpu.uuid
+    assert reader.mapping == {"by": "uuid", "nvml_uuid": gpu.uuid}
+    assert "GPU-" + reader.ids["uuid"] == gpu.uuid and reader.driver() == m.driver
+    assert m.this.context == {}  # finding the card created no CUDA context
     reader.close()
+    assert m.calls[-1] == "nvmlShutdown" and m.lib.refcount == 0
 
 
-@pytest.mark.parametrize("front", ["pynvml", "ctypes"])
-def test_without_a_torch_uuid_the_pci_address_finds_the_card(monkeypatch, front):
-    m = _machine(torch_uuids=False)
+@pytest.mark.parametrize("front", FRONTS)
+def test_without_a_torch_uuid_the_pci_address_finds_the_card(gpus, monkeypatch, front):
+    m = gpus(front, missing_properties=("uuid",))  # a torch build without props.uuid
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    reader = _open(monkeypatch, m, front)
+    reader = _open(front)
     assert reader.mapping == {"by": "pci_bus_id", "pci_bus_id": "0000:07:00.0"}
-    assert reader.name() == "NVIDIA A100-SXM4-80GB" and reader.used() == 11 * GiB
+    assert reader.name() == "NVIDIA A100-SXM4-80GB" and reader.used() == _used_v1(m, m.gpus[0])
+    assert reader.uuid() == A100_UUID
+    reader.close()
+    pin = gpu_truth.pin_device(0)  # the pin is NVML's UUID of the card found by PCI address
+    assert pin["cuda_visible_devices"] == A100_UUID
+    assert pin["pinned_by"] == "uuid (NVML's, of the device found by pci_bus_id)"
 
 
-@pytest.mark.parametrize("front", ["pynvml", "ctypes"])
-def test_a_mig_instance_is_found_by_its_mig_uuid(monkeypatch, front):
-    mig = Card("NVIDIA A100-SXM4-80GB MIG 3g.40gb", "0c7e9d11-2222-5333-8444-555566667777",
-               0x07, used=5 * GiB, kind="MIG")
-    m = Machine([mig], cuda_order=[0])
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    reader = _open(monkeypatch, m, front)
-    assert reader.mapping["nvml_uuid"] == "MIG-" + mig.uuid and reader.used() == 5 * GiB
+@pytest.mark.parametrize("front", FRONTS)
+def test_a_mig_instance_is_found_by_its_mig_uuid(gpus, front):
+    """CUDA shows a GPU in MIG mode as its instance; NVML answers for the slice through the
+    instance's own handle, without root (the parent's figures need it)."""
+    m = Machine([a100(0x07, 0, migs=[("3g.40gb", 40 * GiB), ("3g.40gb", 40 * GiB)])])
+    mig = m.gpus[0].migs[0]
+    m.spawn(4242, mig.uuid, 5 * GiB)
+    m.spawn(4343, m.gpus[0].migs[1].uuid, 7 * GiB)  # another tenant, in the other slice
+    gpus(front, machine=m)
+    reader = _open(front)
+    assert reader.mapping == {"by": "uuid", "nvml_uuid": mig.uuid}
+    assert reader.ids["name"] == "NVIDIA A100-SXM4-80GB MIG 3g.40gb"  # what CUDA calls it
+    assert reader.name() == "NVIDIA A100-SXM4-80GB MIG 3g.40gb" and reader.used() == 5 * GiB
+    procs = gpu_truth.reader_processes(reader)
+    assert procs["compute"] == [{"pid": 4242, "used_gpu_memory": 5 * GiB}]
+    assert procs["others"] == [4242] and procs["own_pid_listed"] is False
 
 
-def test_no_nvml_device_matching_falls_back_to_torch_and_says_why(monkeypatch):
-    m = _machine()
-    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(m))
-    monkeypatch.setattr(_gpu_nvml, "_nvml_library", lambda: FakeNvmlLib(m))
+def test_no_nvml_device_matching_falls_back_to_torch_and_says_why(gpus):
+    gpus("pynvml")  # both readers can load the library
     unknown = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", uuid="ffffffff-dead")
     reader = _gpu_nvml.open_nvml(0, get_properties=lambda i: unknown)
     assert reader.source.startswith("torch.cuda.mem_get_info")
     assert len(reader.failures) == 2 and all("no NVML device is CUDA device 0" in f
                                              for f in reader.failures)
-    with pytest.raises(LookupError, match="neither a UUID nor a PCI address"):
-        _gpu_nvml.resolve_handle({"index": 0, "name": "x", "uuid": None, "pci_bus_id": None},
-                                 lambda u: 1, lambda b: 2)
+    gpus("pynvml", missing_properties=("uuid", "pci_bus_id", "pci_device_id", "pci_domain_id"))
+    reader = _gpu_nvml.open_nvml(0)  # a torch that reports neither
+    assert reader.source.startswith("torch.cuda.mem_get_info")
+    assert len(reader.failures) == 2 and all("neither a UUID nor a PCI address" in f
+                                             for f in reader.failures)
 
 
-@pytest.mark.parametrize("front, versions", [("pynvml", ()), ("ctypes", ("_v3",)),
-                                             ("ctypes", ("_v2",)), ("ctypes", ("",))])
-def test_other_processes_exclude_this_one_and_tolerate_refusals(monkeypatch, front, versions):
-    m = _machine()
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    h100 = _open(monkeypatch, m, front, **({"versions": versions} if versions else {}))
-    procs = _gpu_nvml.reader_processes(h100, own_pid=OWN)
+def _listing(kind: str, absent: tuple[str, ...]) -> str:
+    """The process-list call a reader makes: the newest the driver's library has."""
+    base = f"nvmlDeviceGet{kind.title()}RunningProcesses"
+    return next(base + v for v in ("_v3", "_v2", "") if base + v not in absent)
+
+
+OLDER = tuple(f"nvmlDeviceGet{k}RunningProcesses{v}" for k in ("Compute", "Graphics")
+              for v in ("_v3",))  # a driver before the _v3 calls
+
+
+@pytest.mark.parametrize("front, absent", [
+    ("pynvml", ()), ("ctypes", ()),
+    ("ctypes", OLDER),  # the _v2 calls
+    ("ctypes", OLDER + tuple(n.replace("_v3", "_v2") for n in OLDER)),  # nvmlProcessInfo_v1_t
+])
+def test_other_processes_exclude_this_one_and_tolerate_refusals(gpus, monkeypatch, front,
+                                                                absent):
+    m = gpus(front)
+    m.nvml_absent.update(absent)
+    h100 = _open(front)
+    m.cuda.mem_get_info(0)  # this process's context on the H100: NVML lists it too
+    procs = gpu_truth.reader_processes(h100)
     assert procs["compute"] == [{"pid": 777, "used_gpu_memory": 2 * GiB}]
-    assert procs["graphics"] == [{"pid": 778, "used_gpu_memory": None}]  # WDDM/MIG: unknown
+    assert procs["graphics"] == [{"pid": 778, "used_gpu_memory": 64 * MiB}]
     assert procs["own_pid_listed"] is True and procs["others"] == [777, 778]
-    assert procs["others_used_bytes"] == 2 * GiB
+    assert procs["others_used_bytes"] == 2 * GiB + 64 * MiB
+    assert _listing("compute", absent) in m.calls
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    a100 = _open(monkeypatch, m, front, **({"versions": versions} if versions else {}))
-    procs = _gpu_nvml.reader_processes(a100, own_pid=OWN)
+    a100 = _open(front)
+    m.nvml_errors[_listing("graphics", absent)] = pynvml.NVML_ERROR_NOT_SUPPORTED
+    procs = gpu_truth.reader_processes(a100)
     assert procs["compute"] == [{"pid": 4242, "used_gpu_memory": 9 * GiB}]
     assert procs["graphics"] == "unknown" and procs["graphics_error"] == "NVML_ERROR_NOT_SUPPORTED"
     assert procs["others"] == "unknown" and procs["own_pid_listed"] is False
-    m.cards[0].compute = NO_PERMISSION
-    procs = _gpu_nvml.reader_processes(a100, own_pid=OWN)
+    m.nvml_errors[_listing("compute", absent)] = pynvml.NVML_ERROR_NO_PERMISSION
+    procs = gpu_truth.reader_processes(a100)
     assert procs["compute"] == "unknown" and procs["compute_error"] == "NVML_ERROR_NO_PERMISSION"
 
 
-def test_pin_is_the_full_uuid_of_the_chosen_device(monkeypatch):
-    m = _machine()
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a1b2,0")  # this process: A100, then H100
-    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(m))
-    pin = _gpu_nvml.pin_device(1, get_properties=m.get_device_properties)
-    assert pin["cuda_visible_devices"] == pin["uuid"] == "GPU-" + H100_UUID
+@pytest.mark.parametrize("front", FRONTS)
+def test_a_process_nvml_cannot_size_is_listed_with_none(gpus, front):
+    """Under Windows' WDDM driver model (WSL2's libnvidia-ml.so.1 included) NVML lists processes
+    without their bytes (NVML_VALUE_NOT_AVAILABLE): known to be there, not counted in the bytes
+    of the others."""
+    card = Gpu("NVIDIA RTX A6000", 48 * GiB, (8, 6), uuid_of(2), 0x21, wddm=True)
+    m = Machine([card])
+    m.spawn(23, card.uuid, 300 * MiB, kind="graphics")
+    m.spawn(4242, card.uuid, 2 * GiB)
+    gpus(front, machine=m)
+    procs = gpu_truth.reader_processes(_open(front))
+    assert procs["graphics"] == [{"pid": 23, "used_gpu_memory": None}]
+    assert procs["compute"] == [{"pid": 4242, "used_gpu_memory": None}]
+    assert procs["others"] == [23, 4242] and procs["others_used_bytes"] == 0
+
+
+def test_pin_is_the_full_uuid_of_the_chosen_device(gpus, monkeypatch):
+    m = gpus()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{A100_PREFIX},0")  # the A100, then the H100
+    pin = _gpu_nvml.pin_device(1)
+    assert pin["cuda_visible_devices"] == pin["uuid"] == H100_UUID
     assert pin["name"] == "NVIDIA H100 80GB HBM3" and pin["pinned_by"].startswith("uuid (NVML")
-    assert pin["parent_cuda_visible_devices"] == "GPU-a1b2,0"
+    assert pin["parent_cuda_visible_devices"] == f"{A100_PREFIX},0"
     env = gpu_truth.child_env(False, pin=pin["cuda_visible_devices"], cache="/tmp/x")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env["CUDA_VISIBLE_DEVICES"])
-    assert [c.name for c in m.visible()] == ["NVIDIA H100 80GB HBM3"]  # one device, that one
-    # no NVML at all: torch's UUID with the GPU- prefix; a MIG instance's with MIG-
-    monkeypatch.setitem(sys.modules, "pynvml", None)
-    monkeypatch.setattr(_gpu_nvml, "_nvml_library", lambda: (_ for _ in ()).throw(OSError("x")))
+    assert [t.name for t in enumerate_devices(m)] == ["NVIDIA H100 80GB HBM3"]  # that one only
+    assert m.cuda.device_count() == 1 and m.this.context == {}
+    # no NVML library at all: torch's UUID with the GPU- prefix; a MIG instance's with MIG-
+    remove_nvml_library(monkeypatch)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    pin = _gpu_nvml.pin_device(0, get_properties=m.get_device_properties)
-    assert pin["cuda_visible_devices"] == "GPU-" + A100_UUID and "torch's" in pin["pinned_by"]
-    mig = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3 MIG 1g.10gb", uuid="1234-5678")
-    assert _gpu_nvml.pin_device(0, get_properties=lambda i: mig)["cuda_visible_devices"] \
-        == "MIG-1234-5678"
-    bare = types.SimpleNamespace(name="AMD Instinct MI300X", uuid="")
-    pin = _gpu_nvml.pin_device(0, get_properties=lambda i: bare)
-    assert pin["cuda_visible_devices"] == "1" and pin["uuid"] is None  # the entry it had
+    pin = _gpu_nvml.pin_device(0)
+    assert pin["cuda_visible_devices"] == A100_UUID and "torch's" in pin["pinned_by"]
+    assert pin["nvml_source"].startswith("torch.cuda.mem_get_info")
+    mig = Machine([a100(0x07, 0, migs=[("1g.10gb", 10 * GiB)])])
+    install_cuda(mig, monkeypatch)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert _gpu_nvml.pin_device(0)["cuda_visible_devices"] == mig_uuid_of(0, 0)
+    # no UUID from torch either: the entry this process had for the device
+    install_cuda(m, monkeypatch, missing_properties=("uuid",))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    pin = _gpu_nvml.pin_device(0)
+    assert pin["cuda_visible_devices"] == "1" and pin["uuid"] is None
+
+
+def test_a_pinned_child_measures_its_context_on_the_pinned_card(gpus, monkeypatch, tmp_path):
+    """Parent: pin CUDA device 1 (the A100). Child, under the pin: NVML's used before CUDA and
+    after torch.cuda.init() + synchronize (which creates the context), on the pinned card."""
+    m = gpus()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    pin = _gpu_nvml.pin_device(1)
+    env = gpu_truth.child_env(False, pin=pin["cuda_visible_devices"], cache=str(tmp_path))
+    for var in ("CUDA_VISIBLE_DEVICES", "HF_MEMKIT_CACHE"):  # now the child's
+        monkeypatch.setenv(var, env[var])
+    nvml = gpu_truth.open_nvml(0)
+    ctx = gpu_truth.init_cuda(nvml, smoke=False)
+    assert ctx["nvml_used_before_cuda"] == m.gpus[0].reserved + 9 * GiB
+    assert ctx["context_bytes"] == CONTEXT and m.this.context == {A100_UUID: CONTEXT}
+    assert ctx["visible_device_count"] == 1 and ctx["nvml_uuid"] == A100_UUID
+    before = ctx["other_processes_before"]
+    assert before["others"] == [4242] and before["own_pid_listed"] is False
+    assert ctx["calibration_cache"]["isolated"] is True
+    assert gpu_truth.check_pin(pin, ctx) is None and pin["child_reads_pinned_device"] is True
 
 
 def test_child_env_pins_one_device_and_a_fresh_calibration_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     monkeypatch.setenv("HF_MEMKIT_CACHE", "/home/user/.cache/hf_memkit")
-    env = gpu_truth.child_env(False, pin="GPU-" + H100_UUID, cache=str(tmp_path))
-    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-" + H100_UUID and "," not in \
+    env = gpu_truth.child_env(False, pin=H100_UUID, cache=str(tmp_path))
+    assert env["CUDA_VISIBLE_DEVICES"] == H100_UUID and "," not in \
         env["CUDA_VISIBLE_DEVICES"]
     assert env["HF_MEMKIT_CACHE"] == str(tmp_path)
     assert gpu_truth.child_env(True, cache=str(tmp_path))["CUDA_VISIBLE_DEVICES"] == ""
@@ -538,11 +616,11 @@ def test_child_env_pins_one_device_and_a_fresh_calibration_cache(monkeypatch, tm
         return {"context": {}, "estimate": {"peak_allocated": 1}}, 1, "boom\n", 1.0
 
     monkeypatch.setattr(gpu_truth, "run_child", fake_child)
-    pin = {"cuda_visible_devices": "GPU-" + H100_UUID, "uuid": "GPU-" + H100_UUID,
+    pin = {"cuda_visible_devices": H100_UUID, "uuid": H100_UUID,
            "name": "NVIDIA H100 80GB HBM3"}
     rec = gpu_truth.run_case(_gpu_cases.CASES[0], timeout=5, pin=pin)
-    assert seen["pin"] == "GPU-" + H100_UUID
-    assert rec["gpu"] == {"uuid": "GPU-" + H100_UUID, "name": "NVIDIA H100 80GB HBM3"}
+    assert seen["pin"] == H100_UUID
+    assert rec["gpu"] == {"uuid": H100_UUID, "name": "NVIDIA H100 80GB HBM3"}
 
 
 def test_a_real_child_reads_no_calibration_the_user_stored(monkeypatch, tmp_path):
@@ -559,12 +637,12 @@ def test_a_real_child_reads_no_calibration_the_user_stored(monkeypatch, tmp_path
 
 
 def test_check_pin_refuses_a_child_that_sees_more_or_reads_another_card():
-    pin = {"cuda_visible_devices": "GPU-" + H100_UUID, "uuid": "GPU-" + H100_UUID}
-    ok = {"visible_device_count": 1, "nvml_uuid": "GPU-" + H100_UUID, "nvml_mapping": {}}
+    pin = {"cuda_visible_devices": H100_UUID, "uuid": H100_UUID}
+    ok = {"visible_device_count": 1, "nvml_uuid": H100_UUID, "nvml_mapping": {}}
     assert gpu_truth.check_pin(dict(pin), ok) is None
     assert "sees 2 CUDA devices" in gpu_truth.check_pin(dict(pin), {**ok,
                                                                     "visible_device_count": 2})
-    other = gpu_truth.check_pin(dict(pin), {**ok, "nvml_uuid": "GPU-" + A100_UUID})
+    other = gpu_truth.check_pin(dict(pin), {**ok, "nvml_uuid": A100_UUID})
     assert "another card" in other
     unknown = dict(pin)  # no NVML in the child: nothing to compare, not refused
     assert gpu_truth.check_pin(unknown, {**ok, "nvml_uuid": None}) is None
@@ -656,7 +734,9 @@ def test_a_real_grad_scaler_s_skipped_steps_are_logged(overflow, skipped, entrie
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters())
     scaler = torch.amp.GradScaler("cpu")
-    w = gpu_truth.Window(_FakeStats(), _FakeNvml([]), last_step=3)
+    # what a --cpu-smoke child measures with: zeros from the allocator, no NVML
+    w = gpu_truth.Window(gpu_truth.CudaStats(False), gpu_truth.open_nvml(0, smoke=True),
+                         last_step=3)
     w.sampler.interval = 10.0
     w.scale = lambda: float(scaler.get_scale())
     w.scale_before = w.scale()
@@ -672,6 +752,7 @@ def test_a_real_grad_scaler_s_skipped_steps_are_logged(overflow, skipped, entrie
     assert f["window_has_optimizer_step"] is in_window
     assert f["scale_before"] == 65536.0 and f["scales"][-1] == 65536.0 / 2 ** len(skipped)
     assert w.result["other_processes"]["others"] == "unknown"  # a reader without a listing
+    assert w.result["steady"]["nvml_used_peak"] is None
 
 
 def test_error_table_leaves_out_a_window_without_an_optimizer_step():
