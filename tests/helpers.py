@@ -1,12 +1,11 @@
-"""Shared test helpers: fakes of what this CPU machine cannot have (NVML, CUDA devices), the
-optional-extra rule, and the paths tests read beside them. Fixtures live in ``tests/conftest.py``;
+"""Shared test helpers: ``FakeGpu`` records for the ``fake_cuda`` fixture (the fakes themselves,
+following NVML's and CUDA's rules, are in ``tests/fakes``), the optional-extra rule, and the paths tests read beside them. Fixtures live in ``tests/conftest.py``;
 this module holds what tests import by name (``from tests.helpers import A100_80, FakeGpu``)."""
 
 from __future__ import annotations
 
 import importlib
 import os
-import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,58 +45,6 @@ class FakeGpu:
     mig: bool = False
     mig_total: int | None = None   # what CUDA sees inside a MIG slice
     mig_name: str | None = None
-
-
-class NVMLError(Exception):
-    pass
-
-
-def make_fake_pynvml(gpus: list[FakeGpu], *, init_raises: bool = False,
-                     query_raises: bool = False) -> types.ModuleType:
-    """A module with the nvidia-ml-py functions hf_memkit calls, backed by ``gpus``."""
-    m = types.ModuleType("pynvml")
-    m.NVMLError = NVMLError
-    m.NVML_DEVICE_MIG_ENABLE = 1
-    m.calls = []
-
-    def nvmlInit():
-        m.calls.append("init")
-        if init_raises:
-            raise NVMLError("NVML Shared Library Not Found")
-
-    def nvmlShutdown():
-        m.calls.append("shutdown")
-
-    def nvmlDeviceGetCount():
-        return len(gpus)
-
-    def nvmlDeviceGetHandleByIndex(i):
-        if query_raises:
-            raise NVMLError("Unknown Error")
-        return gpus[i]
-
-    def nvmlDeviceGetHandleByUUID(uuid):
-        return gpus[int(uuid.rsplit("-", 1)[-1])]
-
-    def nvmlDeviceGetName(h):
-        return h.name.encode()  # older nvidia-ml-py returns bytes
-
-    def nvmlDeviceGetMemoryInfo(h):
-        return types.SimpleNamespace(total=h.total, free=h.free, used=h.total - h.free)
-
-    def nvmlDeviceGetMigMode(h):
-        if not h.name.startswith("NVIDIA A100") and not h.name.startswith("NVIDIA H100"):
-            raise NVMLError("Not Supported")
-        return (1 if h.mig else 0, 1 if h.mig else 0)
-
-    def nvmlSystemGetDriverVersion():
-        return "550.54.15"
-
-    for f in (nvmlInit, nvmlShutdown, nvmlDeviceGetCount, nvmlDeviceGetHandleByIndex,
-              nvmlDeviceGetHandleByUUID, nvmlDeviceGetName, nvmlDeviceGetMemoryInfo,
-              nvmlDeviceGetMigMode, nvmlSystemGetDriverVersion):
-        setattr(m, f.__name__, f)
-    return m
 
 
 A100_80 = FakeGpu("NVIDIA A100-SXM4-80GB", 81920 * MiB, 80000 * MiB, (8, 0))
