@@ -295,6 +295,9 @@ def _checked(key: str, val: str, source: str) -> str:
 
 
 def _divisions_text(div: tuple[int, ...]) -> str:
+    """The shortest text ``parse_divisions`` reads back as ``div``: each run of equal entries
+    but the last keyed by its last interval (MiB), the last run as ``>``."""
     if len(set(div)) == 1:
         return str(div[0])
-    return "[" + ",".join(f"{1 << i}:{d}" for i, d in enumerate(div)) + "]"
+    ends = [i for i in range(INTERVALS - 1) if div[i] != div[i + 1]]
+    return "[" + ",".join([f"{1 << i}:{div[i]}" for i in ends] + [f">:{div[-1]}"]) + "]"
