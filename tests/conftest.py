@@ -131,8 +131,9 @@ def base_model():
 
 @pytest.fixture
 def clean_cuda_env(monkeypatch):
-    """A CUDA estimate reads CUDA_MODULE_LOADING, NCCL_BUFFSIZE and the allocator options from
-    the environment."""
+    """A CUDA estimate reads CUDA_MODULE_LOADING, NCCL_BUFFSIZE, the allocator options, the
+    cuBLAS workspace settings and the cuDNN-attention switch from the environment."""
     for var in ("CUDA_MODULE_LOADING", "NCCL_BUFFSIZE", "PYTORCH_CUDA_ALLOC_CONF",
-                "PYTORCH_ALLOC_CONF"):
+                "PYTORCH_ALLOC_CONF", "CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE",
+                "TORCH_CUBLASLT_UNIFIED_WORKSPACE", "TORCH_CUDNN_SDPA_DEPRIORITIZED"):
         monkeypatch.delenv(var, raising=False)

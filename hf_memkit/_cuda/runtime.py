@@ -1,5 +1,6 @@
 """What CUDA adds on top of live tensor bytes: allocator rounding and segments, the CUDA context
-(by CUDA version and module loading), cuBLAS workspaces and NCCL buffers. (What CUDA's kernels
+(by CUDA version and module loading), cuBLAS workspaces (``CUBLAS_WORKSPACE_CONFIG``) and NCCL
+buffers. (What CUDA's kernels
 allocate is traced: ``_cuda.emulation``.)
 
 Constants marked FIT are calibrated on the declared fit half of ``shared/anchors`` (see
@@ -15,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .._errors import ConfigError
-from .._units import MiB
+from .._units import MiB, format_bytes
 
 # c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize = 512 (every block is a multiple of 512 B),
 # kSmallSize = 1 MiB (small pool, 2 MiB segments: kSmallBuffer), kLargeBuffer = 20 MiB segments for
@@ -129,11 +130,82 @@ CALIBRATION = CudaCalibration()
 def cublas_workspace(compute_capability: tuple[int, int] | None) -> int:
     """cuBLAS workspace kept by torch per (handle, stream): forward and the autograd thread each
     get one. aten/src/ATen/cuda/CublasHandlePool.cpp: default ":4096:2:16:8" = 4096 KiB x 2 +
-    16 KiB x 8 (8.125 MiB); on Hopper (sm_90) ":4096:8:16:8" ... 32 MiB + 128 KiB.
+    16 KiB x 8 (8.125 MiB); on Hopper (sm_90) ":4096:8:16:8" ... 32 MiB + 128 KiB. Torch's
+    default only: ``cublas_workspaces`` reads the environment.
     """
     per = (32 * MiB + 128 * 1024) if compute_capability and compute_capability >= (9, 0) else (
         8 * MiB + 128 * 1024)
     return 2 * per
+
+
+# CUBLAS_WORKSPACE_CONFIG: ":SIZE_KiB:COUNT" groups (several may follow one another, as in
+# ":4096:2:16:8"); parseChosenWorkspaceSize sums SIZE x 1024 x COUNT over every match of this
+# pattern, and warns and keeps its default when nothing matches.
+_WORKSPACE_GROUP = re.compile(r":([0-9]+):([0-9]+)")
+# CUBLASLT_WORKSPACE_SIZE (KiB): the cuBLASLt workspace when torch keeps it apart from cuBLAS's,
+# which it does only with TORCH_CUBLASLT_UNIFIED_WORKSPACE=0 (torch >= 2.11 unifies them by
+# default: cuBLASLt then works in the cuBLAS workspace and the variable only caps its use);
+# parseCUDABlasLtWorkspaceSize's default there is 1024 KiB.
+LT_DEFAULT_KIB = 1024
+
+
+@dataclass(frozen=True)
+class CublasWorkspaces:
+    """The workspaces torch allocates per thread that runs matmuls (forward, autograd's)."""
+
+    per_thread: tuple[int, ...]   # bytes of each workspace one thread allocates
+    notes: tuple[str, ...] = ()   # what the environment changed, for a person
+    configured: bool = False      # CUBLAS_WORKSPACE_CONFIG set the cuBLAS workspace
+
+    @property
+    def total(self) -> int:
+        return 2 * sum(self.per_thread)
+
+
+def cublas_workspaces(compute_capability: tuple[int, int] | None,
+                      env: Mapping[str, str] | None = None) -> CublasWorkspaces:
+    """The cuBLAS workspace (``CUBLAS_WORKSPACE_CONFIG``, else torch's default by GPU) and, with
+    ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0``, a separate cuBLASLt one (``CUBLASLT_WORKSPACE_SIZE``
+    KiB). A ``CUBLAS_WORKSPACE_CONFIG`` that torch cannot read keeps the default with a warning,
+    as torch does."""
+    env = os.environ if env is None else env
+    default = cublas_workspace(compute_capability) // 2
+    size, notes = default, []
+    text = env.get("CUBLAS_WORKSPACE_CONFIG")
+    groups = _WORKSPACE_GROUP.findall(text) if text is not None else []
+    if text is not None:
+        if groups:
+            size = sum(int(kib) * 1024 * int(count) for kib, count in groups)
+            notes.append(f"CUBLAS_WORKSPACE_CONFIG={text}: cuBLAS workspace "
+                         f"{format_bytes(size)} per thread (torch's default here: "
+                         f"{format_bytes(default)})")
+        else:
+            _warn(f"CUBLAS_WORKSPACE_CONFIG={text!r} has no `:SIZE_KiB:COUNT` group (e.g. "
+                  "`:4096:8` or `:16:8`); torch ignores it with a warning and keeps its default "
+                  f"workspace ({format_bytes(default)} per thread), and so does the estimate")
+    workspaces = (size,)
+    if env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE") == "0":  # c10::utils::check_env: "0" only
+        lt_text = env.get("CUBLASLT_WORKSPACE_SIZE")
+        kib = LT_DEFAULT_KIB
+        if lt_text is not None and lt_text.strip().isdigit():  # std::stoi
+            kib = int(lt_text)
+        elif lt_text is not None:
+            _warn(f"CUBLASLT_WORKSPACE_SIZE={lt_text!r} is not a whole number of KiB; torch "
+                  f"keeps its default ({LT_DEFAULT_KIB} KiB), and so does the estimate")
+        workspaces += (kib * 1024,)
+        notes.append(f"TORCH_CUBLASLT_UNIFIED_WORKSPACE=0: a cuBLASLt workspace of its own, "
+                     f"{format_bytes(kib * 1024)} per thread (CUBLASLT_WORKSPACE_SIZE)")
+    elif env.get("CUBLASLT_WORKSPACE_SIZE") is not None:
+        notes.append("CUBLASLT_WORKSPACE_SIZE: cuBLASLt works in the cuBLAS workspace (torch "
+                     "unifies them unless TORCH_CUBLASLT_UNIFIED_WORKSPACE=0), so it adds no "
+                     "memory")
+    return CublasWorkspaces(workspaces, tuple(notes), configured=bool(groups))
+
+
+def _warn(message: str) -> None:
+    import warnings
+
+    warnings.warn(message, UserWarning, stacklevel=3)
 
 
 _VERSION = re.compile(r"^\s*(\d{1,2})\.(\d{1,2})(?:\.\d+)?\s*$")

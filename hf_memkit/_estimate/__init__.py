@@ -92,7 +92,11 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,
     ``cuda_version`` ("12.8"): the target's CUDA; default the installed torch's CUDA, else the
     default torch wheel's (13.0). It decides eager or lazy module loading (``CUDA_MODULE_LOADING``
     is honoured) and so the CUDA context. For a CUDA device the trace follows CUDA's autocast
-    policy, SDPA kernel choice and dropout (``_cuda.emulation``), not this CPU's.
+    policy, SDPA kernel choice and dropout (``_cuda.emulation``), not this CPU's. The CUDA
+    environment of this process is read as torch reads it: ``PYTORCH_CUDA_ALLOC_CONF`` /
+    ``PYTORCH_ALLOC_CONF`` (the allocator options; ``per_process_memory_fraction`` caps the
+    budget, options not modelled are named in the notes), ``CUBLAS_WORKSPACE_CONFIG``,
+    ``TORCH_CUDNN_SDPA_DEPRIORITIZED`` and, on this machine's GPU, the runtime cuDNN.
 
     ``model``: a model on any device (meta included; a peft model is LoRA), a
     ``PretrainedConfig``, a catalog name or a local directory. ``args``: ``TrainingArguments`` or a

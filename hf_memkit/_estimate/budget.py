@@ -2,7 +2,8 @@
 
 DESIGN.md, fitting rules: budget = ``max_memory`` if given; else ``total_memory x (1 -
 headroom)``, and no more than ``free_memory + own_memory`` (what is free plus what this process
-already holds there) when the device is the one this process runs on.
+already holds there) when the device is the one this process runs on; on CUDA, no more than
+``per_process_memory_fraction`` of the device (``allocator_limit``).
 What must fit is ``MemoryEstimate.upper``: what the step needs (``required``: the caching
 allocator frees its cached blocks and retries before an OOM) plus the margin of its uncertain
 terms.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from .._cuda.allocator import AllocatorConfig
 from .._device.probe import DeviceInfo
 from .._errors import HfMemkitError, quoted
 from .._units import format_bytes, parse_bytes
@@ -74,7 +76,7 @@ def memory_budget(dev: DeviceInfo, *, headroom: float = DEFAULT_HEADROOM,
     """The budget on ``dev`` (``this_machine``: the device was probed, so its free memory now
     bounds the budget too)."""
     if max_memory is not None:
-        return Budget(parse_bytes(max_memory), "max_memory")
+        return allocator_limit(dev, Budget(parse_bytes(max_memory), "max_memory"))
     total = dev.total_memory * (1 - headroom)
     budget = Budget(int(total), f"{1 - headroom:.0%} of {format_bytes(dev.total_memory)} "
                                 f"(headroom {headroom:g})")
@@ -84,7 +86,24 @@ def memory_budget(dev: DeviceInfo, *, headroom: float = DEFAULT_HEADROOM,
         others = (f"; other processes hold {format_bytes(dev.others_memory)}"
                   if dev.others_memory else "")
         budget = Budget(usable, f"free memory on this machine now{own}{others}")
-    return budget
+    return allocator_limit(dev, budget)
+
+
+def allocator_limit(dev: DeviceInfo, budget: Budget) -> Budget:
+    """``budget``, no more than ``per_process_memory_fraction`` (an allocator option of
+    PYTORCH_CUDA_ALLOC_CONF, as ``torch.cuda.set_per_process_memory_fraction``) of a CUDA
+    device's memory: past it torch's allocator raises an OOM whatever the device has free.
+    torch's limit covers what the allocator reserves, the budget what device_used counts (the
+    CUDA context too): the cap is conservative by the context."""
+    if dev.kind != "cuda":
+        return budget
+    conf = AllocatorConfig.from_env()
+    cap = conf.limit(dev.total_memory)
+    if cap is None or cap >= budget.bytes:
+        return budget
+    return Budget(cap, f"per_process_memory_fraction:{conf.memory_fraction:g} of "
+                       f"{format_bytes(dev.total_memory)} ({conf.source}), below "
+                       f"{budget.basis}")
 
 
 def usable_now(dev: DeviceInfo) -> int | None:

@@ -6,12 +6,13 @@ module loading, NCCL buffers; and the uncertainty band. A user calibration of th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from .._cuda.allocator import AllocatorConfig
-from .._cuda.runtime import CALIBRATION, CudaRuntime, cublas_workspace, nccl_buffers
+from .._cuda.runtime import CALIBRATION, CudaRuntime, cublas_workspaces, nccl_buffers
 from .._device.calibration import Calibration, find_calibration
 from .._device.probe import DeviceInfo
 from .._model.facts import layer_count
@@ -87,20 +88,22 @@ def smallest_capacity(events: list, params: tuple[int, ...], lo: int, hi: int,
 
 def allocator_fit(ex: Excess, spec: ModelSpec, om: OptimizerMemory,
                   workspaces: tuple[int, ...], stage: str, micro_steps: int = 1,
-                  device_capacity: int | None = None) -> Replayed | None:
+                  device_capacity: int | None = None,
+                  config: AllocatorConfig | None = None) -> Replayed | None:
     """The step replayed through the caching-allocator model (None for a lower bound, which has
     no events). A model traced at full depth replays its own events; a deep model traced at 2
     and 3 blocks replays the stream ``allocation.full_depth_events`` builds for its full depth
     (which cached block a request lands in is discrete, so neither a line through two shallow
     replays nor their ratio transfers to the deep model). ``device_capacity``: what the
     allocator may reserve on the device (its memory less the context): reserved cannot grow past
-    it, the allocator frees its cache and retries first."""
+    it, the allocator frees its cache and retries first. ``config``: the allocator options
+    (default: the environment's)."""
     if not ex.replays or ex.lower_bound:
         return None
     states = spec.states()[1]
     trainable = sum(p.nbytes for p in states) or 1
     state, transient = om.state / trainable, om.transient / trainable
-    config = AllocatorConfig.from_env()
+    config = AllocatorConfig.from_env() if config is None else config
     key = (round(state, 6), round(transient, 6), workspaces, config, stage, micro_steps,
            device_capacity)
     if key not in ex.replayed:
@@ -208,10 +211,12 @@ def widened(cal: Any, used: int, margin: int) -> bool:
 
 
 def _band(parts: dict[str, int], runtime: CudaRuntime, frag_at_fit: int,
-          nccl: int, emulated: bool) -> dict[str, int]:
+          nccl: int, emulated: bool, pool: int = 0) -> dict[str, int]:
     """1-sigma bytes of each uncertain term (``CudaCalibration`` says where each comes from).
     ``emulated``: the CUDA emulation acts on the step (``phases.emulation_acts``); where it does
-    not, the CUDA trace is the CPU-measured one but for CUDA kernels' private buffers."""
+    not, the CUDA trace is the CPU-measured one but for CUDA kernels' private buffers.
+    ``pool``: backend:cudaMallocAsync's pool, whose overhead is not modelled (1 sigma: what the
+    caching allocator would add on the step)."""
     c = CALIBRATION
     traced = parts.get("activations", 0) + parts.get("_traced_temporaries", 0)
     cuda = c.traced_cuda_sigma if emulated else c.traced_cuda_floor_sigma
@@ -220,6 +225,7 @@ def _band(parts: dict[str, int], runtime: CudaRuntime, frag_at_fit: int,
         "CUDA context": c.context_sigma if runtime.lazy_loading else c.context_eager_sigma,
         "allocator": int(c.allocator_sigma * frag_at_fit),
         "NCCL buffers": int(c.nccl_sigma * nccl),
+        **({"cudaMallocAsync pool": pool} if pool else {}),
     }
 
 
@@ -233,17 +239,19 @@ def _margin_note(margin: int, emulated: bool) -> str:
 
 
 def _allocator_notes(fit: Replayed | None, dev: DeviceInfo, required: int,
-                     allocated: int) -> list[str]:
-    """What the replay says, in words."""
+                     allocated: int, conf: AllocatorConfig, pool: int) -> list[str]:
+    """What the replay says, in words, and what of the allocator options it follows."""
     notes: list[str] = []
-    if fit:
-        conf = AllocatorConfig.from_env()
-        opts = ", ".join(o for o in (
-            f"max_split_size_mb:{conf.max_split_size >> 20}" if conf.max_split_size else "",
-            "expandable_segments:True" if conf.expandable_segments else "") if o) or "defaults"
+    opts = conf.modelled()
+    given = (f"{conf.source}: {', '.join(opts)}" if opts else
+             f"{conf.source}: none of its options changes the model" if conf.source else
+             "no allocator options set")
+    if conf.backend == "cudaMallocAsync":
+        notes.append(_async_note(conf, pool))
+    elif fit:
         pressed = fit.on_device < fit.peak_reserved
         notes.append(f"fragmentation from a replay of the step through the caching-allocator "
-                     f"model (PYTORCH_CUDA_ALLOC_CONF: {opts}); the step runs in "
+                     f"model ({given}); the step runs in "
                      f"{format_bytes(required)}: the allocator frees its cached blocks and "
                      f"retries before an OOM" + (
                          f"; on {dev.name} it does (with more memory reserved would reach "
@@ -252,7 +260,63 @@ def _allocator_notes(fit: Replayed | None, dev: DeviceInfo, required: int,
         if fit.how == "deepened":
             notes.append("this model's blocks do not repeat one allocation pattern: its "
                          "full-depth allocation stream is an approximation")
+    if conf.unmodelled_note():
+        notes.append(conf.unmodelled_note())
     return notes
+
+
+def _async_note(conf: AllocatorConfig, pool: int) -> str:
+    """backend:cudaMallocAsync: what the estimate does instead of the caching-allocator model."""
+    native = [o for o in conf.modelled() if not o.startswith(("backend", "per_process"))]
+    return ("backend:cudaMallocAsync (" + (conf.source or "the allocator config") + "): CUDA's "
+            "stream-ordered allocator serves every tensor (c10/cuda/CUDAMallocAsyncAllocator."
+            "cpp; its pool keeps freed memory, release threshold UINT64_MAX), so none of the "
+            "caching allocator's block rules apply and no fragmentation is claimed: "
+            "peak_reserved is taken as peak_allocated, a lower bound. The pool's own "
+            "granularity and reuse are NOT modelled; the margin carries what the caching "
+            f"allocator would add on this step ({format_bytes(pool)}) as 1 sigma" + (
+                f". Under this backend torch ignores {', '.join(native)} (it warns so)"
+                if native else ""))
+
+
+def _workspaces(dev: DeviceInfo, cal: Calibration | None) -> tuple[tuple[int, ...], list[str]]:
+    """The workspaces one matmul thread allocates (forward and autograd's each hold them):
+    ``CUBLAS_WORKSPACE_CONFIG`` when set, else this GPU's calibration, else torch's default
+    (``cublas_workspaces``), and their notes."""
+    ws = cublas_workspaces(dev.compute_capability)
+    per_thread = ws.per_thread
+    if cal is not None and cal.cublas_workspace > 0 and not ws.configured:
+        per_thread = (cal.cublas_workspace // 2, *per_thread[1:])
+    return per_thread, list(ws.notes)
+
+
+def _capacity(dev: DeviceInfo, conf: AllocatorConfig, outside: int) -> int | None:
+    """What the allocator may reserve for the replayed step: the device's memory less what lies
+    outside the replay, and no more than ``per_process_memory_fraction`` of the device (torch's
+    limit on the allocator's own reserve, less the allocated bytes the replay leaves out)."""
+    capacity = max(1, dev.total_memory - outside) if dev.total_memory else None
+    limit = conf.limit(dev.total_memory)
+    if limit is not None:
+        capacity = max(1, min(capacity or limit, limit - CALIBRATION.alloc_const))
+    return capacity
+
+
+def _fit(ex: Excess, spec: ModelSpec, om: OptimizerMemory, workspaces: tuple[int, ...],
+         stage: str, micro_steps: int, capacity: int | None,
+         conf: AllocatorConfig) -> tuple[Replayed | None, int, int]:
+    """(the replay, 0, what ``roundup_power2_divisions`` adds to its peak allocated over 512 B
+    rounding); under backend:cudaMallocAsync (None, what the caching allocator with torch's
+    defaults would add on the step, 0): that backend is not the caching allocator, so nothing
+    of its replay is claimed, and its scale sizes the band instead."""
+    replay = functools.partial(allocator_fit, ex, spec, om, workspaces, stage, micro_steps)
+    if conf.backend == "cudaMallocAsync":
+        scale = replay(None, AllocatorConfig())
+        return None, max(0, scale.peak_reserved - scale.peak_allocated) if scale else 0, 0
+    fit = replay(capacity, conf)
+    if fit is None or not conf.roundup_power2_divisions:
+        return fit, 0, 0
+    plain = replay(capacity, dataclasses.replace(conf, roundup_power2_divisions=()))
+    return fit, 0, max(0, fit.peak_allocated - plain.peak_allocated)
 
 
 def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: OptimizerMemory,
@@ -275,19 +339,18 @@ def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: Optimize
         return DeviceTerms(peak, peak, peak, CPU_REL_SIGMA, [], margin, peak,
                            {"activations (traced)": margin // 2})
     cal = user_calibration(dev, runtime)
-    per_thread = cublas_workspace(dev.compute_capability) // 2
-    if cal is not None and cal.cublas_workspace > 0:
-        per_thread = cal.cublas_workspace // 2
-    workspaces = (per_thread, per_thread)
-    traced_temporaries = parts["temporaries"]
-    allocated = peak + 2 * per_thread + CALIBRATION.alloc_const
-    parts["temporaries"] += allocated - peak
+    per_thread, ws_notes = _workspaces(dev, cal)
+    workspaces = per_thread * 2  # the forward thread's, then the autograd thread's
     nccl = nccl_buffers(ranks, dev.interconnect)
     context = cal.context if cal is not None else runtime.context
     resident = om.paged_resident  # paged state: only the pages its step needs at once
     outside = context + nccl + resident + CALIBRATION.alloc_const  # not in the replay
-    fit = allocator_fit(ex, spec, om, workspaces, stage, micro_steps,
-                        max(1, dev.total_memory - outside) if dev.total_memory else None)
+    conf = AllocatorConfig.from_env()
+    fit, pool, rounding = _fit(ex, spec, om, workspaces, stage, micro_steps,
+                               _capacity(dev, conf, outside), conf)
+    traced_temporaries = parts["temporaries"]
+    allocated = peak + sum(workspaces) + CALIBRATION.alloc_const + rounding
+    parts["temporaries"] += allocated - peak
     # peak reserved: what reserved reaches when nothing presses; on this device the allocator
     # frees its cache and retries instead of growing past the device's memory (device_used)
     frag = max(0, fit.peak_reserved - fit.peak_allocated) if fit else 0
@@ -302,7 +365,7 @@ def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: Optimize
         """(required, margin, sigmas) when the step needs ``frag_at_fit`` over its live bytes."""
         # (the smallest capacity is found to a resolution: never above what the device shows)
         required = min(used, allocated + frag_at_fit + parts["context"] + resident)
-        sigmas = _band(band_parts, runtime, frag_at_fit, nccl, emulated)
+        sigmas = _band(band_parts, runtime, frag_at_fit, nccl, emulated, pool)
         margin = int(2 * math.sqrt(sum(v * v for v in sigmas.values())))
         if widened(cal, used, margin):   # residuals only ever widen the per-term band
             margin = int(2 * cal.rel_sigma * used)
@@ -319,7 +382,11 @@ def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: Optimize
                                              > fit_budget):
         required, margin, sigmas = at(max(0, fit.smallest() - fit.peak_allocated))
     notes = _calibration_notes(runtime, cal, sigmas, margin, emulated)
-    notes += _allocator_notes(fit, dev, required, allocated)
+    notes += ws_notes + _allocator_notes(fit, dev, required, allocated, conf, pool)
+    if rounding:
+        notes.append(f"roundup_power2_divisions: the replay's requests, rounded as torch rounds "
+                     f"them, hold {format_bytes(rounding)} more at the peak than 512 B blocks "
+                     "would (in temporaries)")
     if nccl:
         notes.append(f"NCCL communicator buffers: {format_bytes(nccl)} per rank")
     return DeviceTerms(allocated, reserved, used, margin / 2 / used if used else 0.0, notes,

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from .._cuda.runtime import cuda_runtime
-from .._cuda.target import CudaTarget
+from .._cuda.runtime import CudaRuntime, cuda_runtime
+from .._cuda.target import CudaTarget, this_torch_cudnn
 from .._device.precision import precision_issues
 from .._device.probe import DeviceInfo
 from .._engines import RankStates, ReferenceSizes, StateSizes, rank_states
@@ -280,12 +280,22 @@ def emulation_acts(spec: ModelSpec, setup: TrainingSetup, ex: Excess) -> bool:
     return any(not TECHNIQUES.get(u.name).acts_on("cpu") for u in setup.techniques)
 
 
-def _kernel_note(ex: Excess, target: CudaTarget | None) -> list[str]:
+def cuda_target(dev: DeviceInfo, runtime: CudaRuntime | None) -> tuple[CudaTarget | None, str]:
+    """The CUDA target of ``dev`` and why cuDNN attention is (not) tried first: the runtime
+    cuDNN where ``dev`` is this machine's GPU under this torch's CUDA, else the one assumed from
+    the CUDA version (``_cuda.target``)."""
+    if runtime is None:
+        return None, ""
+    cudnn = this_torch_cudnn(runtime.version) if dev.source != "catalog" else None
+    return CudaTarget.resolve(dev.compute_capability, runtime.version, cudnn)
+
+
+def _kernel_note(ex: Excess, target: CudaTarget | None, cudnn: str) -> list[str]:
     if target is None or not ex.sdpa_kernels:
         return []
     kinds = sorted(set(ex.sdpa_kernels))
     cc = ".".join(map(str, target.compute_capability))
-    return [f"attention: CUDA's {'/'.join(kinds)} SDPA kernel (sm {cc}; "
+    return [f"attention: CUDA's {'/'.join(kinds)} SDPA kernel (sm {cc}; {cudnn}; "
             "aten/src/ATen/native/transformers/cuda/sdp_utils.cpp)"]
 
 
@@ -310,7 +320,7 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
     verdict depends on it (``device.device_terms``). ``seq_name``: the argument ``seq_len`` came
     from (``max_length``), named by its errors."""
     runtime = cuda_runtime(cuda_version) if dev.kind == "cuda" else None
-    target = CudaTarget.of(dev.compute_capability, runtime.version) if runtime else None
+    target, cudnn = cuda_target(dev, runtime)
     notes = check_setup(spec, setup, dev, seq_len, seq_name)
     cast = trained_spec(spec, setup)
     if cast is not spec:
@@ -348,7 +358,7 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
                          model_states=rs.model_states, weights=rs.weights,
                          fit_budget=fit_budget, emulated=emulation_acts(spec, setup, ex))
     allocated, reserved, used, rel = terms.allocated, terms.reserved, terms.used, terms.rel_sigma
-    notes += terms.notes + _kernel_note(ex, target)
+    notes += terms.notes + _kernel_note(ex, target, cudnn)
     if ex.host:
         notes.append(setup.trainer_kind.host_note(ex.host))
     if om.paged:  # in managed memory; only the step's pages count in device_used

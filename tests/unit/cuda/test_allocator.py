@@ -303,13 +303,17 @@ def test_from_env_parses_torch_syntax(monkeypatch):
     assert AllocatorConfig.from_env("") == AllocatorConfig()
     assert AllocatorConfig.from_env("max_split_size_mb:128,expandable_segments:True") == (
         AllocatorConfig(max_split_size=128 * MiB, expandable_segments=True))
-    # whitespace is dropped (ConfigTokenizer); known options we do not model are accepted,
-    # including bracketed lists; the last occurrence of a key wins
+    # whitespace is dropped (ConfigTokenizer); known options we do not model are accepted and
+    # named as not modelled; bracketed lists are read; the last occurrence of a key wins
     cfg = AllocatorConfig.from_env(
         " expandable_segments : True , garbage_collection_threshold:0.6,"
         "roundup_power2_divisions:[256:1,512:2,>:4],backend:native,"
         "pinned_use_cuda_host_register:True,max_split_size_mb:64,max_split_size_mb:20")
-    assert cfg == AllocatorConfig(max_split_size=20 * MiB, expandable_segments=True)
+    # [256:1,512:2,>:4]: intervals [1 MiB, 512 MiB) 1, [512 MiB, 1 GiB) 2, from 1 GiB on 4
+    assert cfg == AllocatorConfig(max_split_size=20 * MiB, expandable_segments=True,
+                                  roundup_power2_divisions=(1,) * 9 + (2,) + (4,) * 6)
+    assert cfg.unmodelled == ("garbage_collection_threshold:0.6",
+                              "pinned_use_cuda_host_register:True")
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     assert AllocatorConfig.from_env() == AllocatorConfig()

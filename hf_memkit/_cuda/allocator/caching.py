@@ -2,16 +2,17 @@
 ``torch.cuda.max_memory_reserved`` and ``max_memory_allocated``.
 
 Written from a reading (not a copy) of ``c10/cuda/CUDACachingAllocator.cpp``
-(``DeviceCachingAllocator``; newer releases keep it in ``c10/core/CachingDeviceAllocator.h``) and
-of ``c10/core/AllocatorConfig.{h,cpp}`` / ``c10/cuda/CUDAAllocatorConfig.{h,cpp}``. One device
-and one stream; source names are cited where modelled:
+(``DeviceCachingAllocator``; newer releases keep it in ``c10/core/CachingDeviceAllocator.h``).
+One device and one stream; source names are cited where modelled:
 
-* ``round_size`` (512 B), small (<= 1 MiB) and large pools, ``get_allocation_size``,
-  ``get_free_block`` (best fit; ties: older segment, then lower offset, for pointer order) with
-  the ``max_split_size`` oversize rules, ``should_split``, ``free_block``/``try_merge_blocks``.
-* Memory goes back only on the OOM path: with a ``capacity``, ``malloc`` retries ``alloc_block``
-  after ``release_available_cached_blocks`` and after ``release_cached_blocks``; a final failure
-  counts an OOM (torch raises) and allocates nothing.
+* ``round_size`` (512 B, or ``roundup_power2_divisions``: ``config``), small (<= 1 MiB) and
+  large pools, ``get_allocation_size``, ``get_free_block`` (best fit; ties: older segment, then
+  lower offset, for pointer order) with the ``max_split_size`` / ``max_non_split_rounding_mb``
+  oversize rules, ``should_split``, ``free_block``/``try_merge_blocks``.
+* Memory goes back only on the OOM path: with a ``capacity`` (the device's memory, or
+  ``per_process_memory_fraction`` of it: ``AllocatorConfig.limit``), ``malloc`` retries
+  ``alloc_block`` after ``release_available_cached_blocks`` and after ``release_cached_blocks``;
+  a final failure counts an OOM (torch raises) and allocates nothing.
 * ``expandable_segments``: one growing segment per pool in 2 MiB (small pool) or 20 MiB (large
   pool) pages, ``find_expandable_block``, ``map_block``, ``unmap_block`` (OOM path only) and
   ``get_free_block``'s expandable size; new memory is the request rounded up to whole pages,
@@ -19,10 +20,9 @@ and one stream; source names are cited where modelled:
   ``ExpandableSegment`` does with totalGlobalMem), unbounded without one.
 
 Not modelled: several streams and ``record_stream``, CUDA graph / ``MemPool`` private pools,
-``empty_cache``, free-memory callbacks, real addresses, and the options
-``roundup_power2_divisions``, ``garbage_collection_threshold``, ``per_process_memory_fraction``
-(pass ``capacity``), ``large_segment_size_mb`` / ``max_non_split_rounding_mb`` (kept at 20 MiB),
-``backend:cudaMallocAsync``: :meth:`AllocatorConfig.from_env` accepts and ignores them.
+``empty_cache``, free-memory callbacks, real addresses, and the options ``config`` lists as not
+modelled (``garbage_collection_threshold``, ``large_segment_size_mb``, ...).
+``backend:cudaMallocAsync`` is not this allocator at all: ``CachingAllocator`` refuses it.
 ``segments`` counts cudaMalloc'd segments and expandable segments with mapped pages (torch's
 ``segment.all.current`` leaves the latter out).
 """
@@ -30,112 +30,32 @@ Not modelled: several streams and ``record_stream``, CUDA graph / ``MemPool`` pr
 from __future__ import annotations
 
 import itertools
-import os
-import re
 from bisect import bisect_left, insort
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
-from .._errors import HfMemkitError, did_you_mean
-from .._units import MiB
+from ..._errors import HfMemkitError
+from .config import (
+    LARGE_BUFFER,
+    MIN_BLOCK,
+    MIN_LARGE_ALLOC,
+    ROUND_LARGE,
+    SMALL_BUFFER,
+    SMALL_SIZE,
+    AllocatorConfig,
+)
 
-_MIN_BLOCK = 512            # kMinBlockSize
-_SMALL_SIZE = MiB           # kSmallSize: largest "small" request
-_SMALL_BUFFER = 2 * MiB     # kSmallBuffer: small-pool segment (and expandable page)
-_LARGE_BUFFER = 20 * MiB    # kLargeBuffer: 1-10 MiB segment, large expandable page, rounding limit
-_MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc
-_ROUND_LARGE = 2 * MiB      # kRoundLarge
 _NO_LIMIT = 1 << 64         # std::numeric_limits<size_t>::max(): max_split_size unset
 _UNBOUNDED_SPACE = 1 << 60  # address space of an expandable segment without a capacity
-_MIN_SPLIT_MB = _LARGE_BUFFER // MiB  # parseMaxSplitSize: max_split_size_mb >= 20 (torch 2.13)
-
-_BOOL_KEYS = frozenset((
-    "expandable_segments pinned_use_background_threads release_lock_on_cudamalloc "
-    "release_lock_on_hipmalloc pinned_use_cuda_host_register pinned_use_hip_host_register "
-    "graph_capture_record_stream_reuse pinned_free_catch_all throw_on_cudamalloc_oom").split())
-# the other keys of AcceleratorAllocatorConfig::parseArgs and CUDAAllocatorConfig::getKeys():
-# accepted, not modelled
-_KEYS = _BOOL_KEYS | frozenset((
-    "max_split_size_mb garbage_collection_threshold roundup_power2_divisions backend "
-    "max_non_split_rounding_mb large_segment_size_mb pinned_max_round_threshold_mb "
-    "pinned_max_cached_size_mb pinned_reserve_segment_size_mb pinned_num_register_threads "
-    "per_process_memory_fraction").split())
-
-
-def _round_size(nbytes: int) -> int:
-    """``round_size``: < 512 B -> 512, else up to a multiple of 512; power-2 divisions ignored."""
-    return -(-nbytes // _MIN_BLOCK) * _MIN_BLOCK
 
 
 def _allocation_size(size: int) -> int:
     """``get_allocation_size``: bytes cudaMalloc'd for a new segment serving a rounded request."""
-    if size <= _SMALL_SIZE:
-        return _SMALL_BUFFER
-    if size < _MIN_LARGE_ALLOC:
-        return _LARGE_BUFFER
-    return -(-size // _ROUND_LARGE) * _ROUND_LARGE
-
-
-def _config_items(text: str) -> Iterator[tuple[str, str]]:
-    """``key:value`` pairs; whitespace dropped (as ConfigTokenizer does), commas inside [] kept."""
-    for item in filter(None, re.split(r",(?![^\[]*\])", "".join(text.split()))):
-        key, sep, value = item.partition(":")
-        if not (key and sep and value):
-            raise HfMemkitError(f"allocator option `{item}` is not `key:value`; write e.g. "
-                                "`expandable_segments:True,max_split_size_mb:128`")
-        yield key, value
-
-
-_VALUE_RULES = {  # key: (check, what is allowed); torch's parse* functions raise on the rest
-    "max_split_size_mb": (lambda v: v.isdigit() and int(v) >= _MIN_SPLIT_MB,  # parseMaxSplitSize
-                          f"a whole number of MiB >= {_MIN_SPLIT_MB} (torch: 'max_split_size_mb too "
-                          f"small, must be >= {_MIN_SPLIT_MB}'; older releases wanted > 20), e.g. 128"),
-    "backend": (lambda v: v in ("native", "cudaMallocAsync"), "`native` or `cudaMallocAsync`"),
-    "garbage_collection_threshold": (
-        lambda v: v.replace(".", "", 1).isdigit() and 0 < float(v) < 1, "a number in (0.0, 1.0)"),
-    **{k: (lambda v: v in ("True", "False"), "True or False, spelled so (ConfigTokenizer::toBool)")
-       for k in _BOOL_KEYS},
-}
-
-
-@dataclass(frozen=True)
-class AllocatorConfig:
-    """The allocator options the model honours (see the module docstring for the others)."""
-
-    max_split_size: int | None = None     # bytes; None = unlimited (the default)
-    expandable_segments: bool = False
-
-    def __post_init__(self):
-        ms = self.max_split_size
-        if ms is not None and (type(ms) is not int or ms <= 0):
-            raise HfMemkitError(f"max_split_size {ms!r} is not a positive number of bytes; "
-                                "give bytes (e.g. 128 * 2**20) or None for no limit")
-
-    @classmethod
-    def from_env(cls, value: str | None = None) -> AllocatorConfig:
-        """Parse ``PYTORCH_CUDA_ALLOC_CONF``-style text; with ``value`` None read that variable,
-        else ``PYTORCH_ALLOC_CONF`` (the order of ``CUDAAllocatorConfig::instance()``; torch
-        2.13 also applies the CUDA variable when both are set). Last occurrence of a key wins."""
-        source = "the allocator config"
-        if value is None:
-            var = next((v for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-                        if v in os.environ), None)
-            value, source = (os.environ[var], var) if var else ("", source)
-        max_split, expandable = None, False
-        for key, val in _config_items(value or ""):
-            if key not in _KEYS:
-                raise HfMemkitError(
-                    f"unknown allocator option `{key}` in {source}{did_you_mean(key, _KEYS)}; "
-                    f"known keys: {', '.join(sorted(_KEYS))}. Fix the spelling or remove it")
-            check, allowed = _VALUE_RULES.get(key, (bool, ""))
-            if not check(val):
-                raise HfMemkitError(f"`{key}:{val}` in {source}: {key} takes {allowed}; correct "
-                                    "the value or remove the key (its default applies then)")
-            if key == "max_split_size_mb":
-                max_split = int(val) * MiB
-            elif key == "expandable_segments":
-                expandable = val == "True"
-        return cls(max_split_size=max_split, expandable_segments=expandable)
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
 _DEFAULT_CONFIG = AllocatorConfig()
@@ -146,7 +66,7 @@ class _Segment:
 
     def __init__(self, sid: int, small: bool, expandable: bool):
         self.sid, self.small, self.expandable = sid, small, expandable
-        self.page = _SMALL_BUFFER if small else _LARGE_BUFFER  # expandable page (segment_size_)
+        self.page = SMALL_BUFFER if small else LARGE_BUFFER  # expandable page (segment_size_)
         self.mapped = 0  # bytes of mapped pages (expandable segments)
 
 
@@ -183,8 +103,13 @@ class CachingAllocator:
         if capacity is not None and (type(capacity) is not int or capacity <= 0):
             raise HfMemkitError(f"capacity {capacity!r} is not a positive number of bytes; "
                                 "give the device's bytes, or None for no limit")
+        if config.backend != "native":
+            raise HfMemkitError(f"backend:{config.backend} is CUDA's stream-ordered allocator, not "
+                                "the caching allocator: its block rules do not apply, so there "
+                                "is nothing of it to replay")
         self.config, self.capacity = config, capacity
         self._max_split = config.max_split_size or _NO_LIMIT
+        self._non_split = config.max_non_split_rounding
         self._expandable = config.expandable_segments
         # per pool (0 large, 1 small): cached blocks by (size, segment, offset) as
         # BlockPool::blocks, unmapped blocks by (segment, offset) as BlockPool::unmapped
@@ -207,8 +132,8 @@ class CachingAllocator:
         if nbytes == 0:
             self._empty.add(handle)
             return
-        size = _round_size(nbytes)
-        small, peak_before = size <= _SMALL_SIZE, self.peak_reserved
+        size = self.config.round_size(nbytes)
+        small, peak_before = size <= SMALL_SIZE, self.peak_reserved
         block = (self._get_free_block(small, size) or self._alloc_block(small, size)
                  or (self._release_available_cached_blocks(small, size)
                      and self._alloc_block(small, size))
@@ -269,7 +194,7 @@ class CachingAllocator:
         # oversize rules: no block >= max_split_size for a smaller request, and a larger request
         # takes a block less than max_non_split_rounding_size (default kLargeBuffer) bigger only
         limit = self._max_split
-        if size < limit <= b.size or (size >= limit and b.size >= size + _LARGE_BUFFER):
+        if size < limit <= b.size or (size >= limit and b.size >= size + self._non_split):
             return None
         del lst[i]
         return b
@@ -277,8 +202,8 @@ class CachingAllocator:
     def _alloc_found_block(self, b: _Block, size: int) -> _Block:
         """``should_split`` + ``alloc_found_block``: hand out the front ``size`` bytes."""
         rest = b.size - size
-        if (rest >= _MIN_BLOCK if b.seg.small or self._expandable
-                else size < self._max_split and rest > _SMALL_SIZE):
+        if (rest >= MIN_BLOCK if b.seg.small or self._expandable
+                else size < self._max_split and rest > SMALL_SIZE):
             front = _Block(b.seg, b.offset, size)
             _splice(front, b.prev, b)
             b.offset, b.size = b.offset + size, rest
