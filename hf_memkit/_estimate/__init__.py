@@ -72,6 +72,25 @@ def _warn_precision(amp: str | None, tf32: bool, dev: Any) -> None:
                       UserWarning, stacklevel=3)
 
 
+def _checked(seq_len: int | None, stage: str, target_len: int | None, seq_name: str,
+             cuda_version: str | None, headroom: float | None, max_memory: Any) -> float:
+    """The headroom to judge by; every problem of the inputs in one ``ConfigError``."""
+    problems = _problems(seq_len, stage, target_len, seq_name)
+    if cuda_version is not None:
+        try:
+            parse_cuda_version(cuda_version)
+        except ConfigError as exc:
+            problems += exc.problems
+    headroom = resolve_headroom(headroom, max_memory, "estimate_memory", stacklevel=4)
+    if headroom_problem(headroom):
+        problems.append(headroom_problem(headroom))
+    if max_memory_problem(max_memory):
+        problems.append(max_memory_problem(max_memory))
+    if problems:
+        raise ConfigError(problems, source="estimate_memory")
+    return headroom
+
+
 def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,
                     device: Any = None,
                     stage: str = "train", task: str | None = None, target_len: int | None = None,
@@ -127,19 +146,8 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,
     setup = normalize_args(args, source="args", num_gpus=num_gpus, trainer=trainer,
                            ref_model=ref_model)
     setup, seq_len, seq_name = _trainer_rows(setup, lengths, seq_len, completion_len)
-    problems = _problems(seq_len, stage, target_len, seq_name)
-    if cuda_version is not None:
-        try:
-            parse_cuda_version(cuda_version)
-        except ConfigError as exc:
-            problems += exc.problems
-    headroom = resolve_headroom(headroom, max_memory, "estimate_memory")
-    if headroom_problem(headroom):
-        problems.append(headroom_problem(headroom))
-    if max_memory_problem(max_memory):
-        problems.append(max_memory_problem(max_memory))
-    if problems:
-        raise ConfigError(problems, source="estimate_memory")
+    headroom = _checked(seq_len, stage, target_len, seq_name, cuda_version, headroom,
+                        max_memory)
     if sharding is not None:
         setup = setup.replace(sharding=sharding)
     dev = resolve_device(device)
