@@ -13,7 +13,8 @@ def probe_parser(sub) -> argparse.ArgumentParser:
         epilog="Examples:\n  hf-memkit probe\n  hf-memkit probe --index 1 --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--index", type=int, default=0, help="CUDA device index (default 0)")
+    p.add_argument("--index", type=int, default=None,
+                   help="CUDA device index (default: this process's device: LOCAL_RANK, else 0)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
