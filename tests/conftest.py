@@ -74,6 +74,16 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _cuda_visible_devices_restored(monkeypatch):
+    """``hf-memkit train`` pins ``CUDA_VISIBLE_DEVICES`` in its own process (``pin_one_device``);
+    a test that runs it in-process gets the variable back as it was."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value if value is not None else "")
+    if value is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """Install a GPU machine built from ``FakeGpu`` records (``tests.fakes``): ``torch.cuda``
