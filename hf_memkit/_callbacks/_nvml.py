@@ -26,6 +26,8 @@ import logging
 import os
 from typing import Any
 
+from .._device.nvml import processes
+
 logger = logging.getLogger(__name__)
 
 FIELDS = ("nvml_used", "gpu_util", "other_processes")
@@ -117,12 +119,7 @@ class NvmlFields:
         return float(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
 
     def _other_processes(self) -> float | None:
-        held: dict[int, int | None] = {}
-        for fn in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
-            for p in getattr(self.nvml, fn)(self.handle):
-                used = getattr(p, "usedGpuMemory", None)
-                old = held.get(int(p.pid))
-                held[int(p.pid)] = used if old is None else max(old, used or 0)
+        held = processes(self.nvml, self.handle, raises=True)
         pid = os.getpid()
         if pid not in held:
             self._stop("other_processes", f"NVML's process list of this device does not show "

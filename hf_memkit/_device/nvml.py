@@ -101,19 +101,24 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def processes(pynvml: Any, handle: Any) -> list[tuple[int, int | None]] | None:
-    """``(pid, bytes)`` of every compute and graphics process on the device, or None when NVML
-    does not list them (MIG without root, some drivers)."""
-    out: list[tuple[int, int | None]] = []
+def processes(pynvml: Any, handle: Any, *, raises: bool = False) -> dict[int, int | None] | None:
+    """Bytes by pid of every compute and graphics process on the device (a process in both
+    lists holds one amount: the larger), or None when NVML does not list them (MIG without
+    root, some drivers); ``raises``: NVML's error instead of None."""
+    held: dict[int, int | None] = {}
     for name in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
         try:
             procs = getattr(pynvml, name)(handle)
         except Exception as exc:
+            if raises:
+                raise
             logger.debug("NVML %s failed: %s", name, exc)
             return None
-        out += [(int(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory))
-                for p in procs]
-    return out
+        for p in procs:
+            used = getattr(p, "usedGpuMemory", None)
+            old = held.get(int(p.pid))
+            held[int(p.pid)] = used if old is None else max(old, used or 0)
+    return held
 
 
 def _has_context() -> bool:
@@ -126,7 +131,7 @@ def _has_context() -> bool:
         return False
 
 
-def split_processes(listed: list[tuple[int, int | None]] | None,
+def split_processes(listed: dict[int, int | None] | None,
                     pid: int | None = None) -> tuple[int | None, int | None]:
     """``(this process's bytes, the other processes' bytes)`` from ``processes()``. A process
     with a CUDA context that NVML does not list under its pid (a container with its own PID
@@ -134,11 +139,9 @@ def split_processes(listed: list[tuple[int, int | None]] | None,
     if listed is None:
         return None, None
     pid = os.getpid() if pid is None else pid
-    if listed and pid not in {p for p, _b in listed} and _has_context():
+    if listed and pid not in listed and _has_context():
         return None, None
-    own = sum(b or 0 for p, b in listed if p == pid)
-    others = sum(b or 0 for p, b in listed if p != pid)
-    return own, others
+    return listed.get(pid) or 0, sum(b or 0 for p, b in listed.items() if p != pid)
 
 
 def query(pynvml: Any, index: int, cuda_name: str) -> NvmlFacts:
