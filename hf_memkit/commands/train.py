@@ -167,6 +167,8 @@ def run_train(recipe_ref: str, *, output_dir: str | None = None, max_steps: int 
             result = train_recipe(recipe, plan=plan, progress_console=progress, **where_to)
         except KeyboardInterrupt as exc:   # TrainingInterrupted: what existed is saved
             return interrupted(exc)
+        finally:
+            close_process_group()
     if as_json:
         print(json.dumps({"trainer": recipe.trainer, **result.to_dict()}, indent=2, default=str))
     else:
@@ -174,6 +176,16 @@ def run_train(recipe_ref: str, *, output_dir: str | None = None, max_steps: int 
             print_tables(console, memory_log_table(result))
         print_tables(console, summary_table(result))
     return 0
+
+
+def close_process_group() -> None:
+    """Under torchrun, close the process group the Trainer opened before this process exits: a
+    rank that leaves gloo's or NCCL's threads running at interpreter exit can abort after the run
+    has succeeded (and torch warns that ``destroy_process_group`` was not called)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def interrupted(exc: BaseException, command: str = "train") -> int:

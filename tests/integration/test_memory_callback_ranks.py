@@ -56,6 +56,9 @@ WORKER = textwrap.dedent("""
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"world": args.world_size, "log_history": trainer.state.log_history,
                    "calls": calls, "timeline": cb.timeline}, f)
+    # close gloo before the interpreter exits: its threads otherwise meet exit joinable and a
+    # rank aborts ("terminate called without an active exception") after training succeeded
+    torch.distributed.destroy_process_group()
 """)
 
 
