@@ -104,13 +104,16 @@ def allocator_fit(ex: Excess, spec: ModelSpec, om: OptimizerMemory,
     trainable = sum(p.nbytes for p in states) or 1
     state, transient = om.state / trainable, om.transient / trainable
     config = AllocatorConfig.from_env() if config is None else config
+    # the parameters' own sizes too: specs that share a trace (pure bf16 and FSDP's bf16
+    # gathers of fp32 masters) replay their own gradients and optimizer steps
+    sizes = tuple(p.nbytes for p in states)
     key = (round(state, 6), round(transient, 6), workspaces, config, stage, micro_steps,
-           device_capacity)
+           device_capacity, sizes)
     if key not in ex.replayed:
         full = layer_count(spec.config)
         kw = dict(state_ratio=state, transient_ratio=transient, workspaces=workspaces,
                   optimizer=stage == "train", micro_steps=micro_steps, config=config)
-        run = _Replay(ex, full, tuple(p.nbytes for p in states), kw, device_capacity)
+        run = _Replay(ex, full, sizes, kw, device_capacity)
         ex.replayed[key] = run.stored() or run.replayed()
     return ex.replayed[key]
 

@@ -79,7 +79,8 @@ def _finish(s: Search, cands: list[Candidate], chosen: Candidate) -> Plan:
     # on first use, with the chosen setup's own predicted time (rel_time is made relative below)
     ladder = functools.partial(ladder_savings, s, dataclasses.replace(chosen, rel_time=base_time))
     for c in cands:
-        c.rel_time = c.rel_time / base_time
+        if c.rel_time is not None:
+            c.rel_time = c.rel_time / base_time
     spec, peft_cfg, quant = s.book.get(chosen.method, chosen.precision)
     attn, attn_why = attention(s.book.base, req.dev, chosen.precision)
     notes = s.notes + [f"attention: {attn} ({attn_why})"]

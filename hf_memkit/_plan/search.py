@@ -48,6 +48,10 @@ class Search:
     cache: TraceCache = field(default_factory=TraceCache)
     _setups: dict[tuple, TrainingSetup] = field(default_factory=dict)
     _smallest: dict[tuple, Candidate] = field(default_factory=dict)
+    _states: dict[tuple, tuple] = field(default_factory=dict)
+    _priced: set[str] = field(default_factory=set)
+    _tried: set[tuple] = field(default_factory=set)      # groups with a candidate tried
+    _probes: dict[tuple, MemoryEstimate] = field(default_factory=dict)  # smallest's forward
 
     def setup_of(self, c: Candidate, eval_batch: int | None = None) -> TrainingSetup:
         with warnings.catch_warnings():
@@ -77,12 +81,21 @@ class Search:
             self._setups[key] = self.setup_of(c)
         return self._setups[key].replace(optim=c.optim)
 
+    def _states_of(self, c: Candidate) -> tuple:
+        """(the states setup, one rank's model states, trainable parameters) of ``c``: the same
+        for every micro-batch split and technique of one method, precision, engine rung,
+        accumulation and optimizer, so computed once for all of them."""
+        key = (c.method, c.precision, c.parallel, c.grad_accum > 1, c.optim)
+        if key not in self._states:
+            setup = self._states_setup(c)
+            spec = trained_spec(self.book.get(c.method, c.precision)[0], setup)
+            rs, _ = states_for(spec, setup, self.req.dev)
+            self._states[key] = (setup, rs, sum(p.numel for p in spec.states()[1]))
+        return self._states[key]
+
     def price(self, c: Candidate) -> None:
         """Set ``rel_time`` (not yet relative) and reject on model states alone."""
-        setup = self._states_setup(c)
-        spec = trained_spec(self.book.get(c.method, c.precision)[0], setup)
-        rs, _ = states_for(spec, setup, self.req.dev)
-        n_trainable = sum(p.numel for p in spec.states()[1])
+        setup, rs, n_trainable = self._states_of(c)
         c.rel_time = cost(c, self._shape(c), n_trainable=n_trainable, dev=self.req.dev,
                           sharding=setup.sharding)
         per_node = rs.host * (self.req.ranks // self.req.nodes)
@@ -103,16 +116,36 @@ class Search:
         return dataclasses.replace(self.shape, seq_len=max(1, round(tokens)))
 
     # -- the search ---------------------------------------------------------------------------
-    def _try(self, c: Candidate, *, probe: bool = False) -> bool:
-        """Estimate ``c`` (bounded from below first: ``probe`` by its forward alone, else by
-        the micro-batch line) and say whether it fits; only exact estimates are accepted."""
-        setup = self.setup_of(c)
-        est = self.estimate(c, setup=setup, probe=True) if probe else None
-        if est is None or est.upper <= self.budget:
-            est = self.estimate(c, exact=False, setup=setup)
+    def _try(self, c: Candidate) -> bool:
+        """Estimate ``c`` and say whether it fits; only exact estimates are accepted.
+
+        Where its group looks ample (``_ample``), the first candidate tried (the fastest split
+        of the setup, the one chosen when memory is ample) is traced exactly at once: one
+        trace. Otherwise ``c`` is bounded by the group's micro-batch line (two traces shared by
+        every split, which are also the exact traces of the two smallest) and traced exactly
+        only where the bound fits."""
+        setup, g = self.setup_of(c), _group(c)
+        first = g not in self._tried
+        self._tried.add(g)
+        if first and self._ample(c):
+            return self._record(c, self.estimate(c, setup=setup))
+        est = self.estimate(c, exact=False, setup=setup)
         if est.lower_bound and est.upper <= self.budget:  # verify before accepting
             est = self.estimate(c, setup=setup)
         return self._record(c, est)
+
+    def _ample(self, c: Candidate) -> bool:
+        """Whether ``c`` looks likely to fit: its group's smallest forward (``_smallest_fits``'
+        probe), less the model states, scaled to ``c``'s micro-batch. A guess that only orders
+        the traces (exact first, or the line first); every verdict still rests on a bound or an
+        exact estimate."""
+        probe = self._probes.get(_group(c))
+        if probe is None:
+            return False
+        _, rs, _ = self._states_of(c)
+        states = rs.model_states + rs.buckets
+        small = self._smallest[_group(c)].micro_batch
+        return states + max(0, probe.upper - states) * c.micro_batch / small <= self.budget
 
     def _record(self, c: Candidate, est: MemoryEstimate) -> bool:
         c.estimate, c.device_used, c.peak_allocated = est, est.device_used, est.peak_allocated
@@ -132,26 +165,46 @@ class Search:
 
     def _smallest_fits(self, c: Candidate) -> bool:
         """Memory grows with the micro-batch: when the smallest micro-batch of ``c``'s setup
-        does not fit (estimated exactly: one trace shared by the whole group), no larger one
-        does, and ``c`` is rejected without a trace of its own."""
-        small = self._smallest[_group(c)]
+        does not fit (bounded from below by its forward alone: a forward-only trace shared by
+        the whole group), no larger one does, and ``c`` is rejected without a trace of its own.
+        Where the group does not look ample, or a faster split has failed, the smallest is traced
+        exactly (one of the micro-batch line's two traces), which settles the group before the
+        line's second."""
+        g = _group(c)
+        small = self._smallest[g]
         if small is c:
             return True
-        if small.estimate is None:
-            self._try(small, probe=True)
-        if not small.fits:
+        if small.estimate is None and g not in self._probes:
+            est = self._probes[g] = self.estimate(small, probe=True)
+            if est.upper > self.budget:
+                self._record(small, est)
+        if small.estimate is None and (g in self._tried or not self._ample(c)):
+            self._try(small)
+        if small.estimate is not None and not small.fits:
             c.reason = (f"a smaller micro-batch ({small.micro_batch}) already does not fit: "
                         f"{small.reason}")
-        return small.fits
+            return False
+        return True
 
-    def run(self, candidates: list[Candidate]) -> Candidate:
+    def price_method(self, candidates: list[Candidate], method: str) -> None:
+        """Price the candidates of ``method`` (once): a method the search never reaches is
+        never priced, so its model (a LoRA or 4-bit spec of a large model takes seconds to
+        build) is never resolved; its candidates keep ``rel_time`` None."""
+        if method in self._priced:
+            return
+        self._priced.add(method)
         for c in candidates:
+            if c.method != method:
+                continue
             self.price(c)
             g = _group(c)
             if g not in self._smallest or c.micro_batch < self._smallest[g].micro_batch:
                 self._smallest[g] = c
+
+    def run(self, candidates: list[Candidate]) -> Candidate:
         mine = user_optimizer(self.req)
         for meth in self.methods:
+            self.price_method(candidates, meth.name)
             for own_optim, tier in ((True, 0), (True, 1), (False, 0), (False, 1)):
                 pool = sorted((c for c in candidates if c.method == meth.name and not c.reason
                                and rung_of(c.parallel).tier == tier
@@ -191,6 +244,8 @@ class Search:
 
     def raise_impossible(self, candidates: list[Candidate]) -> NoReturn:
         """Say the smallest memory any setup needs, and which setup that is."""
+        for meth in self.methods:
+            self.price_method(candidates, meth.name)
         best = None
         for c in candidates:
             if c.micro_batch != 1 and c.estimate is None:

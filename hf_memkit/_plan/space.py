@@ -46,7 +46,8 @@ class Candidate:
     micro_batch: int
     grad_accum: int
     attn: str
-    rel_time: float                  # predicted time per sample, relative to the chosen one
+    rel_time: float | None           # predicted time per sample, relative to the chosen one
+                                     # (None: a method the search never reached, not priced)
     device_used: int | None = None   # None: not estimated (see reason)
     peak_allocated: int | None = None
     fits: bool = False

@@ -392,9 +392,8 @@ def ladder_table(ladder: list[dict]) -> Table:
 def top_candidates(plan, n: int = 8) -> list:
     """The chosen setup, then the fastest estimated ones (a plan read back from the compact
     JSON keeps their numbers, not their full estimates)."""
-    ranked = sorted(plan.candidates, key=lambda x: (not x.chosen, x.device_used is None,
-                                                    x.rel_time))
-    return [x for x in ranked if x.device_used is not None][:n]
+    estimated = [x for x in plan.candidates if x.device_used is not None]
+    return sorted(estimated, key=lambda x: (not x.chosen, x.rel_time or 0.0))[:n]
 
 
 def plan_repr(plan) -> str:
