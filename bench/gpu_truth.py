@@ -260,7 +260,7 @@ def calibration_cache() -> dict[str, Any]:
     """Where hf_memkit reads stored calibrations in this child, and whether that folder is this
     child's own fresh one (``HF_MEMKIT_CACHE`` set and empty): a calibration stored by the
     user must not shape the estimate the measurement is compared with."""
-    from hf_memkit._device.calibration import cache_root
+    from hf_memkit._store import cache_root
 
     root = Path(cache_root())
     entries = sorted(p.name for p in root.iterdir()) if root.is_dir() else []

@@ -30,7 +30,8 @@ TOP_FILES = {"__init__.py", "callbacks.py", "_version.py", "_errors.py", "_units
 LAYERS: list[set[str]] = [
     {"_errors", "_version"},                       # the ground floor
     {"_units", "_compat", "_registry"},
-    {"_cuda", "_optimizers", "_engines", "_oom"},  # facts and registries that need no model
+    {"_cuda", "_optimizers", "_engines", "_oom",   # facts and registries that need no model;
+     "_store"},                                    # what is kept on disk between runs
     {"_model"},                                    # the model (an optimizer's ParamInfo)
     {"_device", "_methods", "_trace"},             # devices, methods, one traced step
     {"_techniques"},                               # registries whose entries patch the trace

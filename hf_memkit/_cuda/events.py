@@ -69,7 +69,7 @@ class EventLog:
 
     def to_dict(self) -> dict[str, Any]:
         """What the replay reads (events, where, owner, blocks) as JSON data (the trace store,
-        ``_estimate.store``); the tracer's own state is left out."""
+        ``_store``); the tracer's own state is left out."""
         return {"events": [list(e) for e in self.events],
                 "where": [[_listed(b), back] for b, back in self.where],
                 "owner": [[h, _listed(b)] for h, b in self.owner.items()],

@@ -46,6 +46,7 @@ from typing import Any
 
 from .._cuda.runtime import CALIBRATION
 from .._errors import ConfigError, HfMemkitError, quoted
+from .._store import cache_root
 from .._units import GiB
 
 logger = logging.getLogger(__name__)
@@ -212,16 +213,6 @@ def _timestamp(created: str) -> float | None:
 # ----------------------------------------------------------------------------------------------
 # The store
 # ----------------------------------------------------------------------------------------------
-
-
-def cache_root() -> Path:
-    """``$HF_MEMKIT_CACHE``, else ``${XDG_CACHE_HOME:-~/.cache}/hf_memkit``: where calibrations
-    and traces (``_estimate.store``) are kept."""
-    root = os.environ.get("HF_MEMKIT_CACHE")
-    if root:
-        return Path(root).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "hf_memkit"
 
 
 def calibration_dir() -> Path:

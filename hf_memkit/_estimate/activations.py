@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import _store as store
 from .._cuda.events import EventLog
 from .._cuda.target import CudaTarget
 from .._errors import HfMemkitError
@@ -22,7 +23,6 @@ from .._model.spec import ModelSpec
 from .._setup.setup import TrainingSetup
 from .._techniques import TECHNIQUES
 from .._trace.step import trace_step
-from . import store
 
 FULL_TRACE_MAX_LAYERS = 4
 EXTRAPOLATE_AT = (2, 3)

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import _store as store
 from .._cuda.allocator import AllocatorConfig
 from .._cuda.runtime import CALIBRATION, CudaRuntime, cublas_workspaces, nccl_buffers
 from .._device.calibration import Calibration, find_calibration
@@ -19,7 +20,6 @@ from .._model.facts import layer_count
 from .._model.spec import ModelSpec
 from .._optimizers import OptimizerMemory
 from .._units import MiB, format_bytes
-from . import store
 from .activations import Excess
 from .allocation import full_depth_events, replay_step
 

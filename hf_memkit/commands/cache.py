@@ -20,7 +20,7 @@ def apply_cache_option(args: argparse.Namespace) -> None:
     """``--no-cache``: traces are neither read from nor written to disk in this process (and
     the processes it starts)."""
     if getattr(args, "no_cache", False):
-        from .._estimate.store import NO_CACHE_ENV
+        from .._store import NO_CACHE_ENV
 
         os.environ[NO_CACHE_ENV] = "1"
 
@@ -34,7 +34,10 @@ def cache_parser(sub) -> argparse.ArgumentParser:
                     "kept under $HF_MEMKIT_CACHE/traces (else ${XDG_CACHE_HOME:-~/.cache}/"
                     "hf_memkit/traces), at most HF_MEMKIT_TRACE_CACHE_SIZE (default 512MiB; the "
                     "least recently used go first). HF_MEMKIT_NO_CACHE=1 or --no-cache on "
-                    "estimate/plan/train turns them off.",
+                    "estimate/plan/train turns them off. `hf-memkit plan` also keeps its answer "
+                    "to a question about a bundled model on a catalog GPU (under "
+                    "$HF_MEMKIT_CACHE/answers), and prints it again when the same question is "
+                    "asked again.",
         epilog="Examples:\n  hf-memkit cache info\n  hf-memkit cache info --json\n"
                "  hf-memkit cache clear",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -47,8 +50,8 @@ def cache_parser(sub) -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.set_defaults(func=info_command)
     clear = csub.add_parser("clear", help="remove every kept trace",
-                            description="Remove every entry of the trace cache (calibrations "
-                                        "are kept).",
+                            description="Remove every entry of the trace cache and every "
+                                        "kept answer (calibrations are kept).",
                             epilog="Examples:\n  hf-memkit cache clear",
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     clear.set_defaults(func=clear_command)
@@ -57,12 +60,14 @@ def cache_parser(sub) -> argparse.ArgumentParser:
 
 
 def info_command(args: argparse.Namespace) -> int:
-    from .._estimate.store import TraceStore
+    from .._store import TraceStore, answers_dir
     from .._units import format_bytes
 
     i = TraceStore().info()
+    a = TraceStore(answers_dir()).info()
     d = {"path": str(i.path), "entries": i.entries, "size": i.size, "limit": i.limit,
-         "enabled": i.enabled}
+         "enabled": i.enabled,
+         "answers": {"path": str(a.path), "entries": a.entries, "size": a.size}}
     if args.json:
         print(json.dumps(d, indent=2))
         return 0
@@ -72,16 +77,19 @@ def info_command(args: argparse.Namespace) -> int:
           f"  size:    {format_bytes(i.size)} of at most {format_bytes(i.limit)} "
           "(HF_MEMKIT_TRACE_CACHE_SIZE)\n"
           f"  in use:  {'yes' if i.enabled else 'no (HF_MEMKIT_NO_CACHE is set)'}\n"
-          "  hf-memkit cache clear empties it")
+          f"kept answers (hf-memkit plan asked again): {a.path}\n"
+          f"  entries: {a.entries}, {format_bytes(a.size)}\n"
+          "hf-memkit cache clear empties both")
     return 0
 
 
 def clear_command(args: argparse.Namespace) -> int:
-    from .._estimate.store import TraceStore
+    from .._store import TraceStore, answers_dir
 
-    store = TraceStore()
-    n = store.clear()
+    store, answers = TraceStore(), TraceStore(answers_dir())
+    n, m = store.clear(), answers.clear()
     print(f"removed {n} trace{'s' if n != 1 else ''} from {store.root}")
+    print(f"removed {m} kept answer{'s' if m != 1 else ''} from {answers.root}")
     return 0
 
 

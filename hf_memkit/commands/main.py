@@ -11,7 +11,18 @@ import sys
 import warnings
 
 from .._errors import HfMemkitError, TrainingFailed
-from . import cache, calibrate, demo, devices, estimate, plan, probe, recipes, train
+from . import (
+    _answers,
+    cache,
+    calibrate,
+    demo,
+    devices,
+    estimate,
+    plan,
+    probe,
+    recipes,
+    train,
+)
 
 COMMANDS = (devices, probe, calibrate, estimate, plan, train, recipes, cache, demo)
 
@@ -80,12 +91,19 @@ def main(argv: list[str] | None = None) -> int:
         # what needs no torch is checked first (an unknown model or GPU: refused in < 1 s)
         if getattr(args, "before_torch", None) is not None:
             args.before_torch(args)
-        with quiet_notices(), _warnings_as_lines(args.command):
+        key = _answers.question_key(args)   # the same question answered before: no torch
+        kept = _answers.replay(key, args.command)
+        if kept is not None:
+            return kept
+        with _answers.recording(key) as rec, quiet_notices(), _warnings_as_lines(args.command):
             if hasattr(args, "fields"):  # their types come from TrainingArguments (torch)
                 from .estimate import typed_fields
 
                 args.fields = typed_fields(args.fields)
-            return int(args.func(args) or 0)
+            code = int(args.func(args) or 0)
+            if code == 0:
+                rec.keep()
+            return code
     except HfMemkitError as exc:
         print(f"hf-memkit {args.command}: error: {exc}", file=sys.stderr)
         return 2

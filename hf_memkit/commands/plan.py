@@ -112,10 +112,10 @@ def is_recipe_ref(ref: str) -> bool:
 
 def check_plan_input(args: argparse.Namespace) -> None:
     """``estimate.check_input`` before torch loads; a recipe's model is checked as it loads."""
-    check_input(args, model=not _may_be_recipe(args.model))
+    check_input(args, model=not may_be_recipe(args.model))
 
 
-def _may_be_recipe(ref: str) -> bool:
+def may_be_recipe(ref: str) -> bool:
     """``is_recipe_ref`` without importing the recipe loader (torch): a bundled recipe is looked
     up in the package data, where ``_recipe.bundled_recipes_dir`` looks first; without that
     folder, any name may be one (the full check decides)."""

@@ -1,4 +1,4 @@
-"""Traces kept on disk between processes (``_estimate.store``): a hit answers exactly what a
+"""Traces kept on disk between processes (``_store``): a hit answers exactly what a
 fresh trace does, every input of a trace is part of its key (a change misses), and the store
 survives what a shared folder meets (corrupt entries, FIFOs, several writers, no room, no
 permission)."""
@@ -22,8 +22,9 @@ from peft import LoraConfig
 from transformers import BitsAndBytesConfig, LlamaConfig
 
 import hf_memkit as mk
+from hf_memkit import _store as store
 from hf_memkit._cuda.target import CudaTarget
-from hf_memkit._estimate import activations, store
+from hf_memkit._estimate import activations
 from hf_memkit._estimate.activations import disk_key, trace_excess
 from hf_memkit._model.spec import resolve_model
 from hf_memkit._setup.setup import normalize_args

@@ -45,7 +45,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .._device.calibration import cache_root
 from .._errors import HfMemkitError
 from .._units import format_bytes, parse_bytes
 from .._version import __version__
@@ -66,6 +65,16 @@ class Unkeyable(Exception):
     """A key part without a stable text form: the trace is not cached."""
 
 
+def cache_root() -> Path:
+    """``$HF_MEMKIT_CACHE``, else ``${XDG_CACHE_HOME:-~/.cache}/hf_memkit``: where calibrations,
+    traces and answers are kept."""
+    root = os.environ.get("HF_MEMKIT_CACHE")
+    if root:
+        return Path(root).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "hf_memkit"
+
+
 def enabled() -> bool:
     """Whether traces are read from and written to disk (off with ``HF_MEMKIT_NO_CACHE=1``)."""
     return os.environ.get(NO_CACHE_ENV, "").strip().lower() in ("", "0", "false", "no", "off")
@@ -74,6 +83,11 @@ def enabled() -> bool:
 def traces_dir() -> Path:
     """``<cache root>/traces`` (the root: ``$HF_MEMKIT_CACHE``, else XDG, as for calibration)."""
     return cache_root() / "traces"
+
+
+def answers_dir() -> Path:
+    """``<cache>/answers``: what ``hf-memkit plan`` printed, kept (``commands/_answers``)."""
+    return cache_root() / "answers"
 
 
 def size_limit() -> int:
@@ -104,6 +118,17 @@ def _source_digest() -> str:
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
     for p in sorted(root.rglob("*.py")):
+        h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+@functools.cache
+def data_digest() -> str:
+    """A digest of hf_memkit's data files (the GPU and model catalogs, the bundled recipes): what
+    an answer, not a trace, also depends on."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for p in sorted(q for q in root.rglob("*") if q.suffix in (".json", ".yaml", ".yml")):
         h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
