@@ -91,7 +91,7 @@ def replay(key: str | None, command: str) -> int | None:
     return 0
 
 
-class _Tee(io.TextIOBase):
+class _Tee:
     """A text stream that writes through to ``stream`` and keeps a copy; everything else
     (``isatty``, ``fileno``, ``encoding``) is the stream's, so what renders is unchanged."""
 
@@ -104,12 +104,6 @@ class _Tee(io.TextIOBase):
 
     def flush(self) -> None:
         self.stream.flush()
-
-    def isatty(self) -> bool:
-        return self.stream.isatty()
-
-    def fileno(self) -> int:
-        return self.stream.fileno()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stream, name)

@@ -118,3 +118,27 @@ def test_a_kept_answer_is_printed_before_torch_loads(tmp_path):
     assert runs[1].stdout == runs[0].stdout
     assert "torch loaded: True" in runs[0].stderr
     assert "torch loaded: False" in runs[1].stderr and "kept from" in runs[1].stderr
+
+
+def test_the_recording_stream_is_the_terminals_in_all_but_writing():
+    """What renders (rich reads ``encoding``, ``isatty``, ``fileno``) sees the real stream."""
+    import io
+
+    from hf_memkit.commands._answers import recording
+
+    class Terminal(io.StringIO):
+        encoding = "cp1252"
+
+        def isatty(self):
+            return True
+
+    real = Terminal()
+    saved = sys.stdout
+    sys.stdout = real
+    try:
+        with recording("a key") as rec:
+            print("héllo")
+            assert sys.stdout.encoding == "cp1252" and sys.stdout.isatty()
+    finally:
+        sys.stdout = saved
+    assert real.getvalue() == rec.out.copy.getvalue() == "héllo\n"
