@@ -253,7 +253,7 @@ def candidates(req: PlanRequest, methods: list[Method], book: SpecBook,
                 if owned and any(CHECKPOINTING in TECHNIQUES.get(n).requires for n in on):
                     continue  # the engine configures checkpointing (and its offload) itself
                 out += [Candidate(meth.name, precision, optim, CHECKPOINTING in on, mb,
-                                  req.per_rank // mb, attn, 0.0, parallel=rung.name,
+                                  req.per_rank // mb, attn, None, parallel=rung.name,
                                   techniques=on, padding_free=pf)
                         for pf in batching[attn] for mb in req.micro_batches()]
     return out
