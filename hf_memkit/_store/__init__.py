@@ -133,7 +133,8 @@ def data_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def _installed(name: str) -> str | None:
+def installed(name: str) -> str | None:
+    """The installed version of the distribution ``name``, None where it is not installed."""
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
@@ -145,7 +146,7 @@ def versions() -> dict[str, Any]:
     """What of the environment changes a trace: the libraries whose code it runs."""
     return {"hf_memkit": [__version__, _source_digest()],
             "python": list(sys.version_info[:2]), "machine": platform.machine(),
-            **{name: _installed(name) for name in LIBRARIES}}
+            **{name: installed(name) for name in LIBRARIES}}
 
 
 def stable(value: Any) -> Any:

@@ -8,7 +8,8 @@ depends on: the command line as parsed (every option and ``FIELD=VALUE`` setting
 of the environment that change a plan (allocator, cuBLAS, CUDA, NCCL, torch and hf_memkit's own),
 how this terminal renders (width, colours, whether it is one), and what the trace store keys on
 (``_store.versions``: hf_memkit's source and the libraries' versions), with hf_memkit's data files
-(the catalogs). The value is what the first run printed, stdout and stderr, replayed as it was,
+(the catalogs), the optional packages the planner looks for (FlashAttention, Liger, torchao,
+optimum) and this machine's CPU count (the planned dataloader workers). The value is what the first run printed, stdout and stderr, replayed as it was,
 with one line on stderr saying so. Only answers that succeeded (exit code 0) are kept.
 
 ``--no-cache`` or ``HF_MEMKIT_NO_CACHE=1`` neither read nor keep them; ``hf-memkit cache clear``
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import os
 import sys
@@ -35,6 +37,9 @@ COMMANDS = ("plan",)
 # runtime hf_memkit targets, hf_memkit's own switches); the cache's own location is not one
 ENV_PREFIXES = ("PYTORCH_", "CUBLAS_", "CUDA_", "NCCL_", "TORCH_", "HF_MEMKIT_")
 NOT_KEYED = ("HF_MEMKIT_CACHE", store.SIZE_ENV)
+# optional packages the planner consults beyond the trace store's libraries: FlashAttention
+# (the attention kernel), Liger (a technique), torchao (optimizers), optimum (BetterTransformer)
+OPTIONAL = ("flash_attn", "liger_kernel", "torchao", "optimum")
 NOT_ARGS = ("func", "before_torch")
 
 
@@ -56,9 +61,17 @@ def question_key(args: argparse.Namespace) -> str | None:
     parts = {"command": args.command,
              "args": {k: v for k, v in vars(args).items() if k not in NOT_ARGS},
              "env": env, "data": store.data_digest(),
+             "optional": {name: _found(name) for name in OPTIONAL},
+             "cpus": os.cpu_count(),   # dataloader_num_workers
              "terminal": [console.width, console.color_system, console.is_terminal,
                           console.legacy_windows, console.encoding]}
     return store.make_key(parts)
+
+
+def _found(module: str) -> str | bool:
+    """The installed version of ``module``'s distribution, else whether it can be imported (the
+    planner looks modules up with ``find_spec``; nothing is imported here)."""
+    return store.installed(module) or importlib.util.find_spec(module) is not None
 
 
 def _known_inputs(args: argparse.Namespace) -> bool:

@@ -142,3 +142,15 @@ def test_the_recording_stream_is_the_terminals_in_all_but_writing():
     finally:
         sys.stdout = saved
     assert real.getvalue() == rec.out.copy.getvalue() == "héllo\n"
+
+
+def test_installing_a_package_the_planner_looks_for_plans_again(kept, capsys, monkeypatch,
+                                                                 tmp_path):
+    """Liger (a technique the plan may switch on) installed after the first answer: asked
+    again, the question is planned again, not answered from what was kept without it."""
+    _run(QUESTION, capsys)
+    (tmp_path / "liger_kernel").mkdir()
+    (tmp_path / "liger_kernel" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _, _, err = _run(QUESTION, capsys)
+    assert len(kept) == 2 and "kept from" not in err
