@@ -1,4 +1,5 @@
-"""Traces kept on disk between processes: ``<cache>/traces/<sha256>.trace``.
+"""Traces kept on disk between processes: ``<cache>/traces/<sha256>.trace`` (and, in the same
+entry format, the CLI's kept answers: ``<cache>/answers``, ``commands/_answers``).
 
 A trace of the model code on fake tensors (``activations.trace_excess``) is the slow part of an
 estimate; the same question asked again, or a neighbouring one (another optimizer, another
@@ -112,25 +113,26 @@ def _file_digest(path: str) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
+def _package_digest(suffixes: tuple[str, ...]) -> str:
+    """A digest of hf_memkit's files with these suffixes, names and contents."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for p in sorted(q for q in root.rglob("*") if q.suffix in suffixes):
+        h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 @functools.cache
 def _source_digest() -> str:
     """A digest of hf_memkit's own source files: an edited checkout changes its key."""
-    root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
-    for p in sorted(root.rglob("*.py")):
-        h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
-    return h.hexdigest()[:16]
+    return _package_digest((".py",))
 
 
 @functools.cache
 def data_digest() -> str:
     """A digest of hf_memkit's data files (the GPU and model catalogs, the bundled recipes): what
     an answer, not a trace, also depends on."""
-    root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
-    for p in sorted(q for q in root.rglob("*") if q.suffix in (".json", ".yaml", ".yml")):
-        h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
-    return h.hexdigest()[:16]
+    return _package_digest((".json", ".yaml", ".yml"))
 
 
 def installed(name: str) -> str | None:
