@@ -43,13 +43,13 @@ def cache_parser(sub) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     csub = p.add_subparsers(dest="cache_command", metavar="ACTION")
-    info = csub.add_parser("info", help="where the traces are kept, how many, their size",
-                           description="The trace cache's folder, entries, size and limit.",
+    info = csub.add_parser("info", help="where the traces and kept answers are, how many, their size",
+                           description="The trace cache's folder, entries, size and limit, and the kept answers'.",
                            epilog="Examples:\n  hf-memkit cache info --json",
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.set_defaults(func=info_command)
-    clear = csub.add_parser("clear", help="remove every kept trace",
+    clear = csub.add_parser("clear", help="remove every kept trace and answer",
                             description="Remove every entry of the trace cache and every "
                                         "kept answer (calibrations are kept).",
                             epilog="Examples:\n  hf-memkit cache clear",
