@@ -80,8 +80,14 @@ class _FusedAttention(torch.autograd.Function):
         if k.shape[1] != h:
             temps += [torch.empty(b, k.shape[2], h, d, dtype=k.dtype) for _ in range(2)]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dmask = None
+        if ctx.kernel == "efficient" and ctx.needs_input_grad[3]:
+            # attention_backward.cu: a bias that requires grad gets grad_bias of the bias's full
+            # (expanded) shape, its last dim padded to 16, allocated with dq, dk and dv
+            dmask = torch.empty(*mask.shape[:-1], _round_up(mask.shape[-1], 16),
+                                dtype=mask.dtype)[..., :mask.shape[-1]]
         del temps
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, dmask, None, None, None, None, None
 
 
 def _bool_mask_to_float(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -90,8 +96,15 @@ def _bool_mask_to_float(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _math_attention(q, k, v, mask, dropout, causal, scale, enable_gqa):
-    """aten ``_scaled_dot_product_attention_math`` with CUDA's dropout (bool mask)."""
+    """aten ``_scaled_dot_product_attention_math`` with CUDA's dropout (bool mask). fp16 and bf16
+    inputs are computed in fp32 unless ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp``
+    is on (off by default): the attention matrix and the copies of q, k, v the products save are
+    fp32, and the attention weights the op also returns are cast back (then dropped)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    origin = q.dtype
+    if origin in (torch.float16, torch.bfloat16) and \
+            not torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed():
+        q, k, v = q.float(), k.float(), v.float()
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
@@ -100,12 +113,15 @@ def _math_attention(q, k, v, mask, dropout, causal, scale, enable_gqa):
     if causal:
         keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
         attn = attn + _bool_mask_to_float(keep, attn.dtype)
-    if mask is not None:
-        attn = attn + mask
+    if mask is not None:  # in place where the result keeps attn's dtype, as aten's add_
+        same = torch.promote_types(attn.dtype, mask.dtype) == attn.dtype
+        attn = attn.add_(mask) if same else attn + mask
     attn = torch.softmax(attn, -1)
     if dropout > 0:
         attn = torch.ops.aten.native_dropout(attn, dropout, True)[0]
-    return attn @ v
+    weights = attn.to(origin)  # the op's second output, which F.scaled_dot_product_attention drops
+    del weights
+    return (attn @ v).to(origin)
 
 
 _F = torch.nn.functional
@@ -143,9 +159,10 @@ class CudaOps:
             if attn_mask is not None and attn_mask.dtype == torch.bool:
                 attn_mask = _bool_mask_to_float(attn_mask, q.dtype)
             grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+            unit = all(t.stride(-1) == 1 for t in (q, k, v, attn_mask) if t is not None)
             call = SdpaCall(q.dtype, q.shape[-1], v.shape[-1], q.shape[1], k.shape[1],
                             q.shape[2], k.shape[2], attn_mask is not None, float(dropout_p),
-                            bool(is_causal), bool(enable_gqa), grad)
+                            bool(is_causal), bool(enable_gqa), grad, unit)
             kernel = sdpa_kernel(self.target, call)
             self.kernels.append(kernel)
             if kernel == "math":

@@ -33,6 +33,11 @@ class SdpaCall:
     is_causal: bool = False
     enable_gqa: bool = False
     requires_grad: bool = True
+    # the last dimension of query, key, value and the mask has stride 1: every fused GPU kernel
+    # needs it (sdp_utils_cpp.h ``check_last_dim_stride_equals_1_dense``: "GPU backends require
+    # attn_mask's last dimension to have stride 1 while the CPU does not"). A mask made by
+    # permuting a learned bias (T5's relative position bias in transformers < 5.2x) fails it.
+    last_dim_contiguous: bool = True
 
 
 def _heads_ok(c: SdpaCall, supports_gqa: bool) -> bool:
@@ -92,6 +97,8 @@ def sdpa_kernel(target: CudaTarget, c: SdpaCall) -> str:
     order = ("cudnn", "flash", "efficient", "math") if target.prefers_cudnn else \
         ("flash", "efficient", "math")
     for kernel in order:
+        if kernel != "math" and not c.last_dim_contiguous:
+            continue
         if kernel == "math" or (kernel == "flash" and _flash_ok(c, cc)) or (
                 kernel == "efficient" and _efficient_ok(c, cc)) or (
                 kernel == "cudnn" and _cudnn_ok(c, cc, target.prefers_cudnn)):
