@@ -284,6 +284,11 @@ SDPA_CASES = [
      "CUDA <= 12.9 wheels ship an older cuDNN: default order, flash first"),
     ("a100-cuda13-bf16-hd128", CudaTarget.of((8, 0), "13.0"), _call(hd=128), "flash",
      "cuDNN is preferred only on sm90/sm10x"),
+    ("h100-fp32-mask-strided", CudaTarget.of((9, 0), "13.0"),
+     _call(F32, has_mask=True, last_dim_contiguous=False), "math",
+     "check_last_dim_stride_equals_1_dense: GPU backends require attn_mask.stride(-1) == 1"),
+    ("a100-bf16-qkv-strided", A100, _call(last_dim_contiguous=False), "math",
+     "the same check on query, key and value: no fused kernel"),
 ]
 
 
@@ -312,6 +317,61 @@ def test_cudnn_refuses_dropout_off_the_1_16_grid():
     h100 = CudaTarget.of((9, 0), "13.0")
     assert sdpa_kernel(h100, _call(hd=128, dropout=0.125)) == "cudnn"
     assert sdpa_kernel(h100, _call(hd=128, dropout=0.1)) == "flash"
+
+
+def _attention(target: CudaTarget, dtype: torch.dtype, mask_layout: str | None
+               ) -> tuple[list[str], int, torch.Tensor | None]:
+    """One emulated SDPA forward and backward on fake tensors (B=2, H=4, S=256, D=64): the
+    kernels picked, the bytes the forward keeps for backward, and the mask's gradient. The mask
+    is a learned bias [1, H, S, S] that requires grad, either contiguous or, as T5 builds its
+    relative position bias, a permuted [S, S, H] tensor (last-dim stride H)."""
+    B, H, S, D = 2, 4, 256, 64
+    fm = FakeTensorMode()
+    with fm:
+        q, k, v = (torch.empty(B, H, S, D, dtype=dtype, requires_grad=True) for _ in range(3))
+        bias = None
+        if mask_layout == "contiguous":
+            bias = torch.zeros(1, H, S, S, dtype=dtype, requires_grad=True)
+        elif mask_layout == "permuted":
+            bias = torch.zeros(S, S, H, dtype=dtype, requires_grad=True)
+    mt = MemTracker()
+    mt.track_external(q, k, v, *([bias] if bias is not None else []))
+    with fm, mt, emulate_cuda(target) as ops:
+        mask = bias.permute(2, 0, 1).unsqueeze(0) if mask_layout == "permuted" else bias
+        before = mt.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        kept = mt.get_tracker_snapshot("current")[torch.device("cpu")]["Total"] - before
+        out.sum().backward()
+    return ops.kernels, kept, bias.grad if bias is not None else None
+
+
+def test_a_mask_whose_last_dim_is_strided_runs_the_math_kernel_on_cuda():
+    """sdp_utils_cpp.h ``check_last_dim_stride_equals_1_dense``: CUDA's fused kernels need
+    ``attn_mask.stride(-1) == 1`` (the CPU does not). transformers <= 5.17 passes T5's permuted
+    relative position bias as the mask, so T5 with SDPA runs the math kernel on a GPU: measured on
+    an H200 (bench/results/gpu, t5-220m: allocated 22-31% above the efficient-kernel estimate)."""
+    h100 = CudaTarget.of((9, 0), "13.0")
+    kernels, kept, grad = _attention(h100, F32, "permuted")
+    assert kernels == ["math"]
+    assert kept >= 2 * 4 * 256 * 256 * 4  # the fp32 attention matrix (softmax output)
+    assert grad is not None and grad.shape == (256, 256, 4)
+    kernels, kept, grad = _attention(h100, F32, "contiguous")
+    assert kernels == ["efficient"]
+    assert kept < 2 * 4 * 256 * 256 * 4 / 3  # no attention matrix: output + log-sum-exp
+    # attention_backward.cu: a bias that requires grad gets grad_bias (the learned bias learns)
+    assert grad is not None and grad.shape == (1, 4, 256, 256)
+
+
+def test_math_attention_computes_half_inputs_in_fp32():
+    """attention.cpp ``_scaled_dot_product_attention_math``: fp16/bf16 inputs are upcast to fp32
+    unless ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)`` (off by default), so
+    the attention matrix it keeps is fp32 whatever the input dtype: a bf16 call keeps at least
+    the fp32 softmax output, more than half of what an fp32 call keeps."""
+    assert not torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    _, kept16, _ = _attention(A100, B16, "permuted")
+    _, kept32, _ = _attention(A100, F32, "permuted")
+    assert kept16 >= 2 * 4 * 256 * 256 * 4
+    assert kept16 > 0.6 * kept32
 
 
 # --- 3. the issue's acceptance test: attention dropout on a fused kernel ---------------------------
@@ -427,9 +487,10 @@ def test_amp_eager_attention_keeps_fp32_softmax_on_cuda():
 def test_context_follows_cuda_version_and_module_loading():
     """torch/cuda/__init__.py ``_lazy_init`` sets CUDA_MODULE_LOADING=LAZY, which CUDA honours from
     11.7 on; before 11.7, or with CUDA_MODULE_LOADING=EAGER, every kernel loads at context
-    creation (shared/anchors: 1343 MiB on a V100 with CUDA 11.2). Lazy: ~400 MiB at init
-    (pytorch/pytorch#109888) + the kernels a training step loads (200 MiB, the package's figure)."""
-    eager, lazy = 1343 * MiB, 400 * MiB + 200 * MiB
+    creation (shared/anchors: 1343 MiB on a V100 with CUDA 11.2). Lazy: measured on an H200
+    with CUDA 13.0 (bench/results/gpu, the fit file): 523.6 MiB at init + up to 240 MiB of
+    kernels a training step loads."""
+    eager, lazy = 1343 * MiB, 524 * MiB + 240 * MiB
     assert (CONTEXT_EAGER_LOADING, CONTEXT_LAZY_INIT + LAZY_TRAINING_KERNELS) == (eager, lazy)
     for version, is_lazy in (("11.2", False), ("11.6", False), ("11.7", True), ("12.8", True),
                              ("12.8.1", True)):
@@ -468,15 +529,15 @@ def test_bad_cuda_version_names_the_value(bad):
 def test_estimate_context_differs_by_exactly_the_loading_mode(clean_cuda_env):
     """Same model, same A100, CUDA 11.2 vs 12.8: the trace and the allocator replay are the same
     (sm80 prefers no cuDNN on either), so allocated and reserved agree and NVML-visible memory
-    differs by the eager context less the lazy one: 1343 - (400 + 200) = 743 MiB."""
+    differs by the eager context less the lazy one: 1343 - (524 + 240) = 579 MiB."""
     cfg = LlamaConfig(**TINY_LLAMA)
     args = {"per_device_train_batch_size": 4, "bf16": True}
     old = mk.estimate_memory(cfg, args, seq_len=128, device="A100-80GB", cuda_version="11.2")
     new = mk.estimate_memory(cfg, args, seq_len=128, device="A100-80GB", cuda_version="12.8")
     assert (old.cuda_version, new.cuda_version) == ("11.2", "12.8")
     assert (old.peak_allocated, old.peak_reserved) == (new.peak_allocated, new.peak_reserved)
-    assert old.device_used - new.device_used == 743 * MiB
-    assert (old.breakdown["context"], new.breakdown["context"]) == (1343 * MiB, 600 * MiB)
+    assert old.device_used - new.device_used == 579 * MiB
+    assert (old.breakdown["context"], new.breakdown["context"]) == (1343 * MiB, 764 * MiB)
 
 
 def test_nccl_buffers_by_hand():
@@ -493,13 +554,13 @@ def test_nccl_buffers_by_hand():
 
 def test_ddp_estimate_adds_nccl_to_the_context(clean_cuda_env):
     """H100-80GB (NVLink 4, catalog) with 2 data-parallel ranks on the default CUDA (13.0 here,
-    lazy loading): context = 400 + 200 MiB + 256 MiB of NCCL buffers; one GPU: no NCCL."""
+    lazy loading): context = 524 + 240 MiB + 256 MiB of NCCL buffers; one GPU: no NCCL."""
     cfg = LlamaConfig(**TINY_LLAMA)
     args = {"per_device_train_batch_size": 4, "bf16": True}
     two = mk.estimate_memory(cfg, args, seq_len=128, device="H100-80GB", num_gpus=2)
     one = mk.estimate_memory(cfg, args, seq_len=128, device="H100-80GB")
-    assert two.breakdown["context"] == 600 * MiB + 256 * MiB
-    assert one.breakdown["context"] == 600 * MiB
+    assert two.breakdown["context"] == 764 * MiB + 256 * MiB
+    assert one.breakdown["context"] == 764 * MiB
 
 
 # --- 8. allocator replay of a step --------------------------------------------------------------------
