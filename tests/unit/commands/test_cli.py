@@ -165,11 +165,11 @@ def test_max_batch_prints_its_reason(capsys, mid_dir):
     from hf_memkit._units import format_bytes
 
     args = ["estimate", str(mid_dir), "--gpu", "RTX-4090", "--seq-len", "128", "bf16=true",
-            "--method", "lora", "--max-memory", "1GiB", "--max-batch"]
+            "--method", "lora", "--max-memory", "1.5GiB", "--max-batch"]
     assert main(args) == 0
     line = capsys.readouterr().out.strip()
     a = max_batch_answer(str(mid_dir), {"bf16": True}, seq_len=128, device="RTX-4090",
-                         max_memory="1GiB", **_lora_kwargs())
+                         max_memory="1.5GiB", **_lora_kwargs())
     assert a.batch >= 1 and a.needed <= a.budget < a.next_needed and a.next_batch == a.batch + 1
     assert line == (f"max micro-batch {a.batch} at seq_len 128: {format_bytes(a.needed)} of "
                     f"{format_bytes(a.budget)} budget; {a.batch + 1} needs "
@@ -177,7 +177,7 @@ def test_max_batch_prints_its_reason(capsys, mid_dir):
     assert main([*args, "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["max_batch_size"] == a.batch and d["next_needed"] == a.next_needed
-    assert d["budget"] == 1 << 30
+    assert d["budget"] == 3 << 29
 
 
 def _lora_kwargs() -> dict:
