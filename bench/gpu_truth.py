@@ -55,6 +55,7 @@ its measurements are zeros); it records Liger and TRL activation-offloading case
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import datetime
 import gc
@@ -572,8 +573,10 @@ def estimate_kwargs(case: Case, smoke: bool) -> dict[str, Any]:
             "peft_config": peft_config, "quantization_config": quant, **trainer}
 
 
-def estimate(case: Case, smoke: bool) -> dict[str, Any]:
-    """hf_memkit's estimate of the same run; its error string if it raises."""
+def estimate(case: Case, smoke: bool, device: dict[str, Any] | None = None) -> dict[str, Any]:
+    """hf_memkit's estimate of the same run; its error string if it raises. ``device``: the
+    measured device as ``DeviceInfo.to_dict`` (``--estimate-workers``: the estimate is made in a
+    process that sees no GPU), else this process's device, probed."""
     t0 = time.perf_counter()
     try:
         import transformers
@@ -581,10 +584,11 @@ def estimate(case: Case, smoke: bool) -> dict[str, Any]:
         import hf_memkit as mk
 
         fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+        dev = mk.DeviceInfo.from_dict(device) if device is not None else mk.probe_device()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             e = mk.estimate_memory(model_config(case, smoke), memory_args(case, fields),
-                                   device=mk.probe_device(), **estimate_kwargs(case, smoke))
+                                   device=dev, **estimate_kwargs(case, smoke))
         return {"peak_allocated": e.peak_allocated, "peak_reserved": e.peak_reserved,
                 "device_used": e.device_used, "peak_phase": e.peak_phase,
                 "band": list(e.band), "uncertainty": e.uncertainty, "to_dict": e.to_dict(),
@@ -623,17 +627,24 @@ def emit(kind: str, payload: dict[str, Any]) -> None:
     print(MARK + json.dumps({"kind": kind, "data": payload}, default=_jsonable), flush=True)
 
 
-def run_one(case: Case, smoke: bool) -> None:
+def shrunk(case: Case, smoke: bool) -> Case:
+    """The case as it runs: shrunk on the CPU under ``--cpu-smoke``."""
+    if not smoke:
+        return case
+    return dataclasses.replace(case, batch=min(case.batch, 2), seq_len=32,
+                               target_len=16 if case.target_len else None)
+
+
+def run_one(case: Case, smoke: bool, ready: dict[str, Any] | None = None) -> None:
     """Child entry: context, estimate, measurement; each printed as soon as it is known. The
     estimate comes before the run, so a run that runs out of memory (recorded as ``oom`` with
-    what it measured so far) keeps it."""
-    if smoke:
-        case = dataclasses.replace(case, batch=min(case.batch, 2), seq_len=32,
-                                   target_len=16 if case.target_len else None)
+    what it measured so far) keeps it. ``ready``: the estimate, made ahead by a process that saw
+    no GPU (``--estimate-workers``)."""
+    case = shrunk(case, smoke)
     nvml = open_nvml(0, smoke=smoke)
     context = init_cuda(nvml, smoke)
     emit("context", context)
-    est = estimate(case, smoke)
+    est = ready if ready is not None else estimate(case, smoke)
     emit("estimate", est)
     gc.collect()
     try:
@@ -692,6 +703,9 @@ def probe(smoke: bool) -> None:
                                           "PYTORCH_CUDA_ALLOC_CONF", "CUBLAS_WORKSPACE_CONFIG")},
     }
     emit("env", env)
+    import hf_memkit as mk
+
+    emit("device", mk.probe_device().to_dict())
     nvml.close()
 
 
@@ -752,13 +766,31 @@ def run_child(flag: list[str], *, timeout: float, smoke: bool, pin: str | None =
     return parse_markers(stdout), rc, stderr, time.perf_counter() - t0
 
 
+def estimate_ahead(case: Case, device: dict[str, Any], *, timeout: float, smoke: bool
+                   ) -> dict[str, Any]:
+    """The estimate of ``case`` for ``device``, made in a process that sees no GPU (so it makes
+    no CUDA context beside the measured run's), while other cases run."""
+    parts, rc, stderr, _ = run_child(["--estimate-one", json.dumps(case.to_dict()),
+                                      "--device-json", json.dumps(device)],
+                                     timeout=timeout, smoke=smoke, pin="")
+    return parts.get("estimate") or {"error": f"the estimating process recorded no estimate "
+                                              f"(returncode {rc}): {_error_line(stderr)}"}
+
+
 def run_case(case: Case, *, timeout: float, smoke: bool = False,
-             pin: dict[str, Any] | None = None) -> dict[str, Any]:
+             pin: dict[str, Any] | None = None, ready: dict[str, Any] | None = None
+             ) -> dict[str, Any]:
     """One case in its own process on the device ``pin`` (``pin_device``); its estimate is
-    kept whatever happens to the run after it (an OOM: status ``oom``, with what it measured)."""
-    parts, rc, stderr, secs = run_child(["--run-one", json.dumps(case.to_dict())],
-                                        timeout=timeout, smoke=smoke,
-                                        pin=(pin or {}).get("cuda_visible_devices"))
+    kept whatever happens to the run after it (an OOM: status ``oom``, with what it measured).
+    ``ready``: its estimate, made ahead (``estimate_ahead``), which the child then reports."""
+    flag = ["--run-one", json.dumps(case.to_dict())]
+    with tempfile.TemporaryDirectory(prefix="gpu-truth-estimate-") as tmp:
+        if ready is not None:
+            path = Path(tmp) / "estimate.json"
+            path.write_text(json.dumps(ready, default=_jsonable))
+            flag += ["--estimate-file", str(path)]
+        parts, rc, stderr, secs = run_child(flag, timeout=timeout, smoke=smoke,
+                                            pin=(pin or {}).get("cuda_visible_devices"))
     oom = parts.get("oom")
     status = "ok" if "measured" in parts else "oom" if oom else "error"
     rec: dict[str, Any] = {"id": case.id, "family": case.family, "case": case.to_dict(),
@@ -859,6 +891,8 @@ def probe_env(a: argparse.Namespace) -> tuple[dict[str, Any] | None, dict[str, A
     parts, rc, stderr, _ = run_child(["--probe"], timeout=a.timeout, smoke=a.cpu_smoke,
                                      pin=pin["cuda_visible_devices"] if pin else None)
     env = parts.get("env")
+    if env is not None:
+        env["device"] = parts.get("device")  # DeviceInfo.to_dict of the probed device
     if env is None:
         print(f"the environment probe failed ({rc}): {_error_line(stderr)}\n{stderr[-2000:]}")
         return None, pin
@@ -888,15 +922,29 @@ def run_matrix(cases: list[Case], a: argparse.Namespace) -> int:
           f"CUDA {env['cuda']}, transformers {env['transformers']}; NVML: {env['nvml_source']}; "
           f"{len(cases)} cases -> {path}", flush=True)
     t0 = time.perf_counter()
+
+    def skip(case: Case) -> tuple[list[str], str | None]:
+        return ([m for m in case.needs if not env["importable"].get(m)],
+                cpu_smoke_skip(case) if a.cpu_smoke else None)
+
+    ahead: dict[str, Any] = {}
+    pool = None
+    if a.estimate_workers > 0 and env.get("device"):
+        pool = concurrent.futures.ThreadPoolExecutor(a.estimate_workers)
+        ahead = {c.id: pool.submit(estimate_ahead, c, env["device"], timeout=a.timeout,
+                                   smoke=a.cpu_smoke)
+                 for c in cases if not any(skip(c))}
     for i, case in enumerate(cases, 1):
-        missing = [m for m in case.needs if not env["importable"].get(m)]
-        why = cpu_smoke_skip(case) if a.cpu_smoke else None
+        missing, why = skip(case)
+        ready = ahead[case.id].result() if case.id in ahead else None
         rec = (skipped_record(case, missing, reason=why) if missing or why
-               else run_case(case, timeout=a.timeout, smoke=a.cpu_smoke, pin=pin))
+               else run_case(case, timeout=a.timeout, smoke=a.cpu_smoke, pin=pin, ready=ready))
         doc["runs"].append(rec)
         doc["summary"], doc["elapsed_s"] = summarise(doc["runs"]), round(time.perf_counter() - t0)
         write_json(path, doc)
         print(progress_line(i, len(cases), rec), flush=True)
+    if pool is not None:
+        pool.shutdown()
     doc["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     write_json(path, doc)
     print_summary(doc["summary"])
@@ -923,7 +971,15 @@ def parser() -> argparse.ArgumentParser:
                     help="print the case matrix (id and settings) and exit; needs no GPU")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="run the cases shrunk on the CPU: checks the plumbing, measures nothing")
+    ap.add_argument("--estimate-workers", type=int, default=0, metavar="N",
+                    help="make the estimates ahead, N at a time, in processes that see no GPU, "
+                    "while the cases run one by one (default 0: each case's process makes its "
+                    "own estimate first); on a machine with many cores this halves the matrix's "
+                    "time")
     ap.add_argument("--run-one", metavar="JSON", help=argparse.SUPPRESS)
+    ap.add_argument("--estimate-one", metavar="JSON", help=argparse.SUPPRESS)
+    ap.add_argument("--device-json", metavar="JSON", help=argparse.SUPPRESS)
+    ap.add_argument("--estimate-file", metavar="PATH", help=argparse.SUPPRESS)
     ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     return ap
 
@@ -931,8 +987,16 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     if a.run_one:
-        run_one(Case.from_dict(json.loads(a.run_one)), a.cpu_smoke)
+        ready = json.loads(Path(a.estimate_file).read_text()) if a.estimate_file else None
+        run_one(Case.from_dict(json.loads(a.run_one)), a.cpu_smoke, ready)
         return 0
+    if a.estimate_one:
+        case = shrunk(Case.from_dict(json.loads(a.estimate_one)), a.cpu_smoke)
+        emit("estimate", estimate(case, a.cpu_smoke, device=json.loads(a.device_json)))
+        return 0
+    if a.estimate_workers < 0:
+        print(f"--estimate-workers must be 0 or more, got {a.estimate_workers}")
+        return 2
     if a.probe:
         probe(a.cpu_smoke)
         return 0

@@ -180,3 +180,30 @@ def test_from_pretrained_with_device_map_reserves_the_warmup_block(tmp_path):
     assert load["max_reserved_during_load"] - load["reserved_before"] >= block
     assert load["largest_segments"][0]["total_size"] >= block
     _assert_pinned(rec, json.loads(path.read_text())["environment"])
+
+
+@pytest.mark.slow
+def test_estimates_made_ahead_equal_the_ones_each_case_makes(tmp_path):
+    """``--estimate-workers``: the estimates are made ahead in processes that see no GPU, for the
+    device the probe recorded, and each case's process reports the one made for it. They equal
+    the estimates a case's own process makes (the default)."""
+    case = "llama-160m.fp32.fwd-bwd."
+    docs = {}
+    for workers in ("0", "2"):
+        out = tmp_path / workers
+        p = _run("--cpu-smoke", "--out", str(out), "--only", case, "--estimate-workers", workers,
+                 timeout=600)
+        assert p.returncode == 0, p.stdout + p.stderr
+        (f,) = out.glob("*.json")
+        docs[workers] = json.loads(f.read_text())
+    own, ahead = (docs[w]["runs"][0] for w in ("0", "2"))
+    assert own["status"] == ahead["status"] == "ok"
+    assert docs["2"]["environment"]["device"]["name"] == own["estimate"]["to_dict"]["device"][
+        "name"]
+    for key in ("peak_allocated", "peak_reserved", "device_used", "peak_phase"):
+        assert ahead["estimate"][key] == own["estimate"][key], key
+
+
+def test_a_negative_worker_count_is_refused_with_exit_2():
+    p = _run("--estimate-workers", "-1", "--list")
+    assert p.returncode == 2 and "--estimate-workers must be 0 or more, got -1" in p.stdout
