@@ -2,6 +2,7 @@
 ``DPOTrainer``) on one CUDA GPU, measured, next to the estimate hf_memkit makes of the same run.
 
     python bench/gpu_truth.py [--out DIR] [--only SUBSTR ...] [--timeout S] [--gpu INDEX] [--list]
+                              [--estimate-workers N]
 
 Each case of ``bench/_gpu_cases.py`` (models built from configs with random weights, synthetic
 tokens, nothing downloaded) runs in its own child process (``--run-one``), so the CUDA context and
