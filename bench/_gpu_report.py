@@ -81,7 +81,8 @@ def rel_errors(rec: dict[str, Any]) -> dict[str, float | None]:
 
 def summarise(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per metric over the ok runs: n, median and median |.| of the relative error, the worst
-    (signed, largest magnitude) and the count of under-predictions (error < 0). A run whose
+    (signed, largest magnitude), the count of under-predictions (error < 0) and of errors within
+    10% (the estimator's bar). A run whose
     window held no real optimizer step (fp16 skipped them all) is left out: its figures miss
     the optimizer state the estimate counts."""
     out = {}
@@ -93,7 +94,8 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                   "median": statistics.median(errs) if errs else None,
                   "median_abs": statistics.median(abs(e) for e in errs) if errs else None,
                   "worst": max(errs, key=abs) if errs else None,
-                  "under": sum(e < 0 for e in errs)}
+                  "under": sum(e < 0 for e in errs),
+                  "within_10pct": sum(abs(e) <= 0.10 + 1e-9 for e in errs)}
     return out
 
 

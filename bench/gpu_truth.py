@@ -574,10 +574,12 @@ def estimate_kwargs(case: Case, smoke: bool) -> dict[str, Any]:
             "peft_config": peft_config, "quantization_config": quant, **trainer}
 
 
-def estimate(case: Case, smoke: bool, device: dict[str, Any] | None = None) -> dict[str, Any]:
+def estimate(case: Case, smoke: bool, device: dict[str, Any] | None = None,
+             cuda_version: str | None = None) -> dict[str, Any]:
     """hf_memkit's estimate of the same run; its error string if it raises. ``device``: the
     measured device as ``DeviceInfo.to_dict`` (``--estimate-workers``: the estimate is made in a
-    process that sees no GPU), else this process's device, probed."""
+    process that sees no GPU; bench/gpu_reestimate.py: a recorded run's), else this process's
+    device, probed. ``cuda_version``: the measured run's (default: this torch's)."""
     t0 = time.perf_counter()
     try:
         import transformers
@@ -588,8 +590,11 @@ def estimate(case: Case, smoke: bool, device: dict[str, Any] | None = None) -> d
         dev = mk.DeviceInfo.from_dict(device) if device is not None else mk.probe_device()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            kw = estimate_kwargs(case, smoke)
+            if cuda_version is not None:
+                kw["cuda_version"] = cuda_version
             e = mk.estimate_memory(model_config(case, smoke), memory_args(case, fields),
-                                   device=dev, **estimate_kwargs(case, smoke))
+                                   device=dev, **kw)
         return {"peak_allocated": e.peak_allocated, "peak_reserved": e.peak_reserved,
                 "device_used": e.device_used, "peak_phase": e.peak_phase,
                 "band": list(e.band), "uncertainty": e.uncertainty, "to_dict": e.to_dict(),
@@ -975,8 +980,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--estimate-workers", type=int, default=0, metavar="N",
                     help="make the estimates ahead, N at a time, in processes that see no GPU, "
                     "while the cases run one by one (default 0: each case's process makes its "
-                    "own estimate first); on a machine with many cores this halves the matrix's "
-                    "time")
+                    "own estimate first); the estimate was 57%% of a case's time on an H200, so "
+                    "on a machine with many cores the matrix takes about half as long")
     ap.add_argument("--run-one", metavar="JSON", help=argparse.SUPPRESS)
     ap.add_argument("--estimate-one", metavar="JSON", help=argparse.SUPPRESS)
     ap.add_argument("--device-json", metavar="JSON", help=argparse.SUPPRESS)

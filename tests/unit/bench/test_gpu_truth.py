@@ -262,6 +262,8 @@ def test_error_table_median_worst_and_under_count(monkeypatch, capsys):
     assert (d["n"], d["under"]) == (2, 1)
     assert d["median"] == pytest.approx(-0.05) and d["median_abs"] == pytest.approx(0.05)
     assert d["worst"] == pytest.approx(-0.10)
+    # within the 10% bar, its edge included: allocated +10% and +1% (not -12%)
+    assert (a["within_10pct"], r["within_10pct"], d["within_10pct"]) == (2, 3, 2)
     text = gpu_truth.render_summary(s)
     assert "-12.0%" in text and "+1.0%" in text and "under-predicted" in text
     # without rich the same table is printed as plain text
@@ -274,7 +276,7 @@ def test_error_table_median_worst_and_under_count(monkeypatch, capsys):
 def test_empty_table_and_rel_errors_of_a_failed_run():
     s = gpu_truth.summarise([])
     assert s["allocated"] == {"n": 0, "median": None, "median_abs": None, "worst": None,
-                              "under": 0}
+                              "under": 0, "within_10pct": 0}
     assert "-" in gpu_truth.render_summary(s)
     assert gpu_truth.rel_errors(_rec((1, 2), (1, 2), (1, 2), status="timeout")) == {}
 
