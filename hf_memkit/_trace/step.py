@@ -39,6 +39,7 @@ from .._cuda.target import CudaTarget
 from .._errors import HfMemkitError
 from .._model.adapters import LoraSpec, cast_adapters, quantizable_linears
 from .._model.facts import block_stacks, layer_count
+from .micro import eval_step, train_micro_step
 from .quant import SimLinear4bit
 
 try:  # private torch APIs, fenced here and nowhere else
@@ -186,6 +187,14 @@ if MemTracker is not None:
             super()._track(reftype, t)
             self._log_new(t)
 
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            # the stock tracker hooks every parameter's gradient and fails on a frozen one (a
+            # LoRA base; adapters peft's disable_adapter() freezes mid-step): a no-op handle
+            for p in module.parameters():
+                if not p.requires_grad and self._param_to_grad_hook_handles.get(p) is None:
+                    self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
         def _delete_callback(self, winfo, w_st) -> None:
             super()._delete_callback(winfo, w_st)
             if self.log is not None and hasattr(winfo, "mk_key"):
@@ -196,17 +205,14 @@ def new_tracker(model: torch.nn.Module, inputs: list[Any], log: EventLog | None 
                 stacks: list[list[torch.nn.Module]] = ()) -> Any:
     """A MemTracker over ``model`` and ``inputs`` (logging allocations into ``log``, each tagged
     with the block of ``stacks`` it happens in). torch's MemTracker registers a gradient hook on
-    every parameter and fails on frozen ones (a LoRA base); those get a no-op handle."""
+    every parameter and fails on frozen ones (a LoRA base): ``_GlobalPeakTracker`` gives those a
+    no-op handle."""
     mt = _GlobalPeakTracker()
     mt.log = log
     if log is not None:
         _tag_blocks(log, stacks)
         log.context = _block_context(mt, stacks)
     mt.track_external(model, *inputs)
-    modules = [model] + [x for x in inputs if isinstance(x, torch.nn.Module)]  # + a reference
-    for p in (p for m in modules for p in m.parameters()):
-        if not p.requires_grad:
-            mt._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
     return mt
 
 
@@ -301,26 +307,6 @@ def build_fake(model_cls: type, config: Any, *, fm: Any, attn_implementation: st
                                        if isinstance(t, torch.nn.Parameter) else e)
                     registry[name] = memo[id(t)]
     return model
-
-
-def _train_micro_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], loss: str,
-                      grad_accum: int, suffix: str, record: Callable[[str], None],
-                      forward_only: bool, step: Any = None, reference: Any = None) -> None:
-    if step is not None:  # a trainer's own loss (_trainers.TraceStep)
-        out = value = step.loss(model, batch, reference)
-    else:
-        out = model(**batch)
-        value = out.logits.sum() if loss == "logits_sum" else \
-            out.loss if hasattr(out, "loss") else out[0]
-    if grad_accum > 1:
-        value = value / grad_accum
-    del out
-    record("forward" + suffix)
-    if forward_only:
-        return
-    value.backward()
-    del value
-    record("backward" + suffix)
 
 
 def _batch(task: str, batch: int, seq_len: int, *, target_len: int | None, padded: bool,
@@ -427,15 +413,11 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
         with fm, mt, _unpacked_sequences(packed), emulate_cuda(target) as cuda_ops, \
                 trainer.context(target) if trainer is not None else contextlib.nullcontext():
             if stage == "train":
-                _train_micro_step(model, batches[i], loss, grad_accum, "_accum" if i else "",
+                train_micro_step(model, batches[i], loss, grad_accum, "_accum" if i else "",
                                   lambda name, _mt=mt: record(_mt, name), forward_only,
                                   trainer, ref)
             else:
-                with torch.no_grad():
-                    out = model(**batches[0]) if trainer is None else \
-                        trainer.loss(model, batches[0], ref)
-                    del out
-                record(mt, "eval")
+                eval_step(model, batches[0], trainer, ref, mt, record)
             if cuda_ops is not None and i == 0:
                 kernels, dropout = list(cuda_ops.kernels), cuda_ops.dropout
     return TraceResult(num_layers=layer_count(config), weights=weights, grads=grads,
