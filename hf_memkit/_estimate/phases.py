@@ -38,6 +38,7 @@ from .activations import Excess, TraceCache, trace_excess
 from .budget import backend_notes
 from .device import device_terms
 from .result import MemoryEstimate
+from .rollout import colocated_tenant, rollout_notes, rollout_phases
 
 BREAKDOWN_SUM_KEYS = ("weights", "gradients", "optimizer", "activations", "temporaries")
 TRACE_PHASE = {"forward": "forward", "backward": "backward", "eval forward": "eval",
@@ -350,15 +351,26 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
     step = _step(spec, trace_spec, setup, ex, rs, stage, ref)
     if stage == "eval":
         notes += _eval_logits_note(spec, setup, seq_len, target_len)
+    rollout = rollout_phases(trace_spec, trace_setup, rs, seq_len=seq_len, held=ref[0],
+                             target=target, cache=cache) if stage == "train" else {}
+    notes += rollout_notes(setup, rollout)
+    step.phases.update({k: v.total for k, v in rollout.items()})
     phase = max(step.phases, key=lambda k: step.phases[k])
-    parts = _breakdown(step, phase)
+    parts = rollout[phase].parts if phase in rollout else _breakdown(step, phase)
+    phase_ex, phase_stage = (rollout[phase].excess, "eval") if phase in rollout else (ex, stage)
     terms = device_terms(dev, step.phases[phase], parts, om, runtime,
-                         setup.sharding.world_size, ex=ex, spec=trace_spec, stage=stage,
-                         micro_steps=min(setup.grad_accum, 2) if stage == "train" else 1,
+                         setup.sharding.world_size, ex=phase_ex, spec=trace_spec,
+                         stage=phase_stage,
+                         micro_steps=min(setup.grad_accum, 2) if phase_stage == "train" else 1,
                          model_states=rs.model_states, weights=rs.weights,
                          fit_budget=fit_budget, emulated=emulation_acts(spec, setup, ex))
     allocated, reserved, used, rel = terms.allocated, terms.reserved, terms.used, terms.rel_sigma
     notes += terms.notes + _kernel_note(ex, target, cudnn)
+    vm, grown, phase, more = colocated_tenant(spec, setup, dev, seq_len=seq_len, held=ref[0],
+                                              parts=parts, rs=rs, used=used, phase=phase) \
+        if stage == "train" else (None, used, phase, [])
+    terms.required += grown - used   # a colocated vLLM: not in torch's allocator, on the device
+    used, notes = grown, notes + more
     if ex.host:
         notes.append(setup.trainer_kind.host_note(ex.host))
     if om.paged:  # in managed memory; only the step's pages count in device_used
@@ -372,4 +384,6 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
         host_offloaded=int(rs.host) + ex.host + technique_host_bytes(
             spec, setup, seq_len, device_kind=dev.kind, stage=stage),
         lower_bound=ex.lower_bound, cuda_version=runtime.version if runtime else None,
-        margin=terms.margin, required=int(terms.required), margin_terms=_shares(terms))
+        margin=terms.margin, required=int(terms.required), margin_terms=_shares(terms),
+        phase_peaks={k: int(v) for k, v in step.phases.items()},
+        refusals=list(vm.refusals) if vm is not None else [])

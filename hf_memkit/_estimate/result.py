@@ -22,8 +22,9 @@ class MemoryEstimate:
                 "fragmentation, context; optimizer_paged when a paged optimizer keeps state in "
                 "CUDA managed memory"})
     peak_phase: str = field(metadata={"help": "'forward', 'backward', 'forward (accumulating)', "
-                                              "'backward (accumulating)', 'optimizer step' or "
-                                              "'eval forward'."})
+                                              "'backward (accumulating)', 'optimizer step', "
+                                              "'eval forward'; GRPO / RLOO: also 'generate "
+                                              "(prefill)', 'generate (decode)', 'score'."})
     stage: str = field(metadata={"help": "'train', 'eval' or 'forward_backward'."})
     device: DeviceInfo = field(repr=False, metadata={"help": "Device estimated for."})
     setup: TrainingSetup = field(repr=False, metadata={"help": "Normalised training arguments."})
@@ -59,6 +60,13 @@ class MemoryEstimate:
                 "free memory of this machine's device. None: no budget was given (see fits)."})
     budget_basis: str = field(default="", metadata={
         "help": "How the budget was derived, e.g. '95% of 24.00 GiB (headroom 0.05)'."})
+    refusals: list[str] = field(default_factory=list, metadata={
+        "help": "Why the run cannot start whatever its memory (a colocated vLLM's start-up "
+                "rules); fits is False when there are any."})
+    phase_peaks: dict[str, int] = field(default_factory=dict, metadata={
+        "help": "Peak live tensor bytes of each phase of the step (before CUDA's workspaces "
+                "and rounding), e.g. 'generate (decode)', 'score', 'forward', 'backward', "
+                "'optimizer step'; peak_phase names the largest."})
 
     def __post_init__(self) -> None:
         if not self.required:
@@ -69,6 +77,8 @@ class MemoryEstimate:
         """Whether ``upper`` (required + margin) is within ``budget``: the planner's rule. None
         when there is no budget to judge by, or when this is only a lower bound
         (``lower_bound``) that is within it."""
+        if self.refusals:
+            return False
         if self.budget is None or (self.lower_bound and self.upper <= self.budget):
             return None
         return self.upper <= self.budget
@@ -99,7 +109,8 @@ class MemoryEstimate:
             "cuda_version": self.cuda_version, "margin": self.margin,
             "required": self.required, "margin_terms": dict(self.margin_terms),
             "upper": self.upper, "budget": self.budget, "budget_basis": self.budget_basis,
-            "fits": self.fits,
+            "fits": self.fits, "phase_peaks": dict(self.phase_peaks),
+            "refusals": list(self.refusals),
         }
 
     def explain(self) -> str:
@@ -134,4 +145,5 @@ class MemoryEstimate:
             model_states=d.get("model_states", 0), host_offloaded=d.get("host_offloaded", 0),
             cuda_version=d.get("cuda_version"), margin=d.get("margin", 0),
             required=d.get("required") or d["device_used"], margin_terms=dict(d.get("margin_terms", {})),
-            budget=d.get("budget"), budget_basis=d.get("budget_basis", ""))
+            budget=d.get("budget"), budget_basis=d.get("budget_basis", ""),
+            phase_peaks=dict(d.get("phase_peaks", {})), refusals=list(d.get("refusals", [])))

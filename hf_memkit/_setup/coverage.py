@@ -57,6 +57,8 @@ class Unmodelled:
             all(str(get(k)) in map(str, vs) for k, vs in self.when.items())
 
 
+RL = ("grpo", "rloo")   # TRL's online RL trainers (_trainers.rl)
+
 UNMODELLED: dict[str, Unmodelled] = {
     # transformers.TrainingArguments
     # TrainingArguments sets the backend itself when torch_compile is on (the torch_compile
@@ -115,6 +117,29 @@ UNMODELLED: dict[str, Unmodelled] = {
         "the estimate covers training steps only", when={"precompute_ref_log_probs": (True,)}),
     "ld_alpha": Unmodelled("LD-DPO's [2 x batch, tokens] masks and weighted sums of the "
                            "per-token log-probs"),
+    # trl.GRPOConfig / trl.RLOOConfig (the generation of GRPOTrainer / RLOOTrainer)
+    **{name: Unmodelled(what, trainers=RL, otherwise="only the online-RL trainers generate",
+                        when=when)
+       for name, what, when in (
+           ("cache_implementation", "the KV cache generation uses (\"static\" allocates "
+            "prompt + max_completion_length at once; quantized or offloaded caches)", {}),
+           ("generation_kwargs", "generation settings that may change the KV cache or the "
+            "sampling's [rows x vocab] temporaries", {}),
+           ("use_transformers_continuous_batching", "transformers' continuous batching "
+            "generates from a paged KV cache of its own size", {}),
+           ("transformers_continuous_batching_config", "the paged KV cache's size",
+            {"use_transformers_continuous_batching": (True,)}),
+           ("use_transformers_paged", "generation from a paged KV cache of its own size", {}),
+           ("ds3_gather_for_generation", "whether generation under ZeRO-3 gathers the whole "
+            "model", {}),
+           ("vllm_model_impl", "the colocated vLLM's model implementation (vLLM's or "
+            "transformers' modelling code, with activations of their own)",
+            {"use_vllm": (True,)}))},
+    "cast_lm_head_to_fp32": Unmodelled("an fp32 copy of the LM head and fp32 logits",
+                                       trainers=("grpo",), otherwise="GRPOTrainer's only"),
+    "max_tool_calling_iterations": Unmodelled("tool calls lengthen the completions past "
+                                              "max_completion_length", trainers=("grpo",),
+                                              otherwise="GRPOTrainer's only"),
 }
 
 IRRELEVANT: dict[str, tuple[str, ...]] = {
@@ -158,11 +183,6 @@ IRRELEVANT: dict[str, tuple[str, ...]] = {
         "dataset_num_proc", "eos_token", "pad_token", "shuffle_dataset"),
     "which end of a row truncation keeps: the length (max_length) is the same": (
         "truncation_mode",),
-    "DPO loss arithmetic on per-sequence log-prob sums ([2 x batch] values)": (
-        "beta", "label_smoothing", "loss_weights", "f_divergence_type",
-        "f_alpha_divergence_coef", "discopop_tau"),
-    "TR-DPO: the reference (already a held copy) is mixed in place between steps": (
-        "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"),
 }
 
 
@@ -180,7 +200,8 @@ def field_classes(trainer: str = TRAINER.name) -> dict[str, frozenset[str]]:
     unmodelled |= set(kind.fields) - kind.modelled_fields()
     modelled = {*SETUP_FIELDS, *ENGINE_FIELDS, *kind.modelled_fields(),
                 *(f for t in TECHNIQUES if t.modelled for f in t.fields)}
-    irrelevant = {f for group in IRRELEVANT.values() for f in group}
+    irrelevant = {f for group in (*IRRELEVANT.values(), *kind.irrelevant.values())
+                  for f in group}
     irrelevant |= {n for n, u in UNMODELLED.items() if u.trainers and trainer not in u.trainers}
     return {"modelled": frozenset(modelled & names), "unmodelled": frozenset(unmodelled & names),
             "irrelevant": frozenset(irrelevant & names)}

@@ -185,6 +185,15 @@ class _Reader:
         return {k: v for k, v in self.d.items() if not k.startswith("gradient_checkpointing")}
 
 
+def _trainer_getter(r: _Reader, kind: Any) -> Any:
+    """``r.get`` for the trainer entry, except that a field its config's ``__post_init__``
+    derives from others (``TrainerKind.derived``: GRPO's ``generation_batch_size`` and
+    ``steps_per_generation``) reads None unless given: a dict's defaults come from a default
+    instance, derived from its batch size rather than the user's."""
+    derived = getattr(kind, "derived", ())
+    return lambda name: (r.d.get(name) if name in derived and not r.is_ta else r.get(name))
+
+
 def _check_num_gpus(num_gpus: Any, problems: list[str]) -> int | None:
     if num_gpus is not None and (not isinstance(num_gpus, int) or isinstance(num_gpus, bool)
                                  or num_gpus < 1):
@@ -229,7 +238,7 @@ def normalize_args(args: TrainingArguments | dict[str, Any] | None, *,
                                                  "offload": False}))
     if r.problems:
         raise ConfigError(r.problems, source=source)
-    options = dict(kind.read(r.get))
+    options = dict(kind.read(_trainer_getter(r, kind)))
     if kind.config_problems(options):
         raise ConfigError(kind.config_problems(options), source=source)
     if ref_model is not None:

@@ -98,6 +98,9 @@ class TrainerKind:
     fields: tuple[str, ...] = ()                  # the config fields it models
     extra: str | None = None                      # the pip extra that installs it
     takes_ref_model = False                       # estimate_memory(ref_model=...) applies
+    # config fields of this trainer alone that change nothing a step holds, by reason
+    # (``_setup.coverage``'s IRRELEVANT holds those of every trainer)
+    irrelevant: Mapping[str, tuple[str, ...]] = {}
     lengths_plan = False                          # plans micro-batches in tokens from lengths=
 
     def read(self, get: Callable[[str], Any]) -> Mapping[str, Any]:
@@ -149,6 +152,11 @@ class TrainerKind:
     def config_problems(self, options: Mapping[str, Any]) -> list[str]:
         """What the trainer refuses when it is built with these ``options`` (its ``__init__``
         raises): refused as it would be, before anything is traced."""
+        return []
+
+    def target_problems(self, options: Mapping[str, Any], target: int, ranks: int) -> list[str]:
+        """What the trainer refuses of a plan's effective batch (``target_batch_size`` over
+        ``ranks``), beyond the batch rule every trainer has."""
         return []
 
     def adjust(self, uses: frozenset[Any]) -> frozenset[Any]:
@@ -254,7 +262,7 @@ def padded_length(o: Mapping[str, Any], seq: int) -> int:
 
 
 TRAINERS: Registry[TrainerKind] = Registry(
-    "trainer", hint="; TRL's GRPO, RLOO, online DPO, KTO and reward trainers are not modelled")
+    "trainer", hint="; TRL's online DPO, KTO and reward trainers are not modelled")
 
 
 def register(kind: TrainerKind) -> TrainerKind:

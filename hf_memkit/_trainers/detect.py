@@ -9,7 +9,7 @@ from .base import TRAINERS
 
 # TRL trainers whose steps generate, score or keep several models: their memory is not the
 # step this package traces (generation buffers, reward and value models, vLLM).
-NOT_MODELLED = {"grpo": "GRPOTrainer", "rloo": "RLOOTrainer", "online_dpo": "OnlineDPOTrainer",
+NOT_MODELLED = {"online_dpo": "OnlineDPOTrainer",
                 "kto": "KTOTrainer", "reward": "RewardTrainer", "ppo": "PPOTrainer",
                 "orpo": "ORPOTrainer", "cpo": "CPOTrainer", "gkd": "GKDTrainer",
                 "distillation": "DistillationTrainer", "xpo": "XPOTrainer",
@@ -20,9 +20,8 @@ def _refuse(what: str) -> HfMemkitError:
     modelled = ", ".join(f"{k.name!r} ({k.title})" for k in TRAINERS)
     return HfMemkitError(
         f"{what} is not modelled: hf_memkit traces one optimizer step of the trainers it "
-        f"models ({modelled}); GRPO, RLOO, online DPO and the other generating or "
-        "multi-model TRL trainers keep generation buffers and extra models it does not "
-        "estimate. Estimate the policy's step with trainer='sft' as a lower bound, or measure "
+        f"models ({modelled}); online DPO, KTO and the other TRL trainers not listed "
+        "keep generation buffers and extra models it does not estimate. Estimate the policy's step with trainer='sft' as a lower bound, or measure "
         "with hf_memkit's MemoryCallback")
 
 

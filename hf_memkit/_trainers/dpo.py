@@ -74,6 +74,12 @@ class DPO(TrlTrainerKind):
     fields = ("max_length", "precompute_ref_log_probs", "use_weighting", "pad_to_multiple_of",
               "padding_free", "activation_offloading", "loss_type")
     takes_ref_model = True
+    irrelevant = {
+        "DPO loss arithmetic on per-sequence log-prob sums ([2 x batch] values)": (
+            "beta", "label_smoothing", "loss_weights", "f_divergence_type",
+            "f_alpha_divergence_coef", "discopop_tau"),
+        "TR-DPO: the reference (already a held copy) is mixed in place between steps": (
+            "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps")}
 
     def read(self, get: Callable[[str], Any]) -> dict[str, Any]:
         return {"max_length": get("max_length"),

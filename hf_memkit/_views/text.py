@@ -208,6 +208,13 @@ PHASE_WORDS = {
     "optimizer step": "the optimizer step: activations are freed; weights, gradients, optimizer "
                       "state and the optimizer's temporaries are alive",
     "eval forward": "an evaluation forward: no gradients and nothing saved for a backward",
+    "generate (prefill)": "generation's prefill of the prompts (no grad), the KV cache "
+                          "being filled",
+    "generate (decode)": "generation's last decode step: the KV cache of prompt + "
+                         "completion, the sampling's fp32 logits",
+    "score": "scoring the completions without grad (old and reference log-probs)",
+    "generate (vLLM)": "a colocated vLLM generating (awake) beside the trainer's weights and "
+                       "optimizer state",
 }
 
 
@@ -259,6 +266,8 @@ def estimate_table(est) -> Table:
     add_row(t, "fragmentation", format_bytes(est.breakdown.get("fragmentation", 0)), "")
     add_row(t, "= peak reserved", format_bytes(est.peak_reserved), "", style="cyan")
     add_row(t, "context", format_bytes(est.breakdown.get("context", 0)), "")
+    if "vllm" in est.breakdown:  # a colocated vLLM: outside torch's allocator, on the device
+        add_row(t, "colocated vLLM", format_bytes(est.breakdown["vllm"]), "")
     paged = est.breakdown.get("optimizer_paged", 0)
     if paged:  # managed memory: only the pages the step needs at once count as device memory
         add_row(t, "paged optimizer, step pages",
@@ -269,6 +278,9 @@ def estimate_table(est) -> Table:
     if est.required != est.device_used:
         add_row(t, "needs (cache freed)", format_bytes(est.required),
                 "allocator frees its cache first")
+    if any(k.startswith(("generate", "score")) for k in est.phase_peaks):
+        for k, v in est.phase_peaks.items():   # an online-RL step's phases side by side
+            add_row(t, f"  phase: {k}", format_bytes(v), "allocated at its peak")
     margin = est.upper - est.required
     add_row(t, "margin (2 sigma)", format_bytes(margin), f"{100 * margin / total:.1f}%")
     for term, share in sorted(est.margin_terms.items(), key=lambda kv: -kv[1]):
