@@ -34,6 +34,7 @@ from .lengths import Lengths, length_problems
 from .request import PlanRequest, Problem
 from .result import MEMORY_FIELDS, Plan
 from .reverse import max_batch_size, max_seq_len
+from .rl import plan_beside_vllm
 from .rungs import ladder_savings
 from .search import Search
 from .space import Candidate, SpecBook, attention, candidates
@@ -166,6 +167,10 @@ def plan_training(model: Any, *, seq_len: int | None = None, target_batch_size: 
                    cuda_version=cuda_version, trainer=trainer, lengths=lengths,
                    mean_len=mean_len, max_len=max_len, **constraints)
     req.raise_problems("plan_training")
+    return plan_beside_vllm(req, _plan)
+
+
+def _plan(req: PlanRequest) -> Plan:
     s, cands = search_for(req)
     return _finish(s, cands, s.run(cands))
 

@@ -211,7 +211,11 @@ class PlanRequest:
 
         why = "" if "max_length" in self.constraints else \
             " (a plan's max_length is its seq_len unless pinned)"
-        return [Problem("padding_free", m + why) for m in kind.config_problems(kind.read(get))]
+        options = kind.read(get)
+        target = self.target_batch_size if _positive_int(self.target_batch_size) else None
+        return [Problem("padding_free", m + why) for m in kind.config_problems(options)] + [
+            Problem("target_batch_size", m) for m in (
+                kind.target_problems(options, target, self.ranks) if target else [])]
 
     def _choice_problems(self) -> list[Problem]:
         out = []

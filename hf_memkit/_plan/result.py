@@ -126,7 +126,7 @@ class Plan:
                     f"apply_to: {cls.__name__}.{k}={_plain(mine)!r} is replaced by the plan's "
                     f"{_plain(v)!r}; to keep yours, plan with it pinned "
                     f"(plan_training(..., {k}={_plain(mine)!r}))", stacklevel=2)
-        return self._build(lambda: with_fields(args, planned), cls.__name__)
+        return self._build(lambda: with_fields(args, _rederived(args, planned)), cls.__name__)
 
     def _build(self, make: Any, what: str) -> Any:
         """``make()``, with transformers' refusal of the plan on this machine in our words."""
@@ -294,6 +294,19 @@ def with_fields(args: Any, values: dict[str, Any]) -> Any:
     if post_init is not None:
         post_init()
     return new
+
+
+def _rederived(args: Any, planned: dict[str, Any]) -> dict[str, Any]:
+    """``planned`` plus what a TRL online-RL config must derive again from the planned batch:
+    ``GRPOConfig.__post_init__`` derives ``generation_batch_size`` and
+    ``steps_per_generation`` from each other and refuses both set, and an instance holds both.
+    Steps per generation that were the accumulation follow the plan's; others are kept."""
+    if not hasattr(args, "generation_batch_size") or not hasattr(args, "steps_per_generation"):
+        return planned
+    out = {"generation_batch_size": None, **planned}
+    if args.steps_per_generation == args.gradient_accumulation_steps:
+        out.setdefault("steps_per_generation", None)
+    return out
 
 
 def _plain(v: Any) -> Any:
