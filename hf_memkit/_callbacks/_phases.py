@@ -14,17 +14,28 @@ attribute test.
     backward  from the end of one forward to the start of the next, or to the optimizer step:
               loss code outside the model, the backward pass, gradient clipping
 
-Every call of the model's forward counts: a trainer that calls it more than once per
-micro-batch (generation in GRPO, say) gives a forward peak over those calls. Not separable, and
-then logged as ``peak_fwd_bwd`` only: a model whose forward does not go through the hooked
-module's ``__call__``, and ``torch_compile=True`` (hooks inside a compiled module would break its
-graph; they are not attached).
+TRL's online RL trainers (GRPO, RLOO) add two phases before the micro-steps of a step that
+generates, separated the same way:
+
+    generate  the model's own ``generate`` call (wrapped while attached; its forwards inside
+              count here, not as forwards)
+    score     a forward call without grad outside ``generate``: the old and reference
+              log-probs (a reference model of its own is another module: its forwards fall
+              in the segment around them)
+
+A colocated vLLM generates outside torch's allocator statistics: NVML's per-process reading
+(``memory/process_used_gib``) shows it. Not separable, and then logged as ``peak_fwd_bwd``
+only: a model whose forward does not go through the hooked module's ``__call__``, and
+``torch_compile=True`` (hooks inside a compiled module would break its graph; they are not
+attached).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 
 class StepPhases:
@@ -43,13 +54,40 @@ class StepPhases:
             return False
         self._handles = [model.register_forward_pre_hook(self._pre),
                          model.register_forward_hook(self._post)]
+        self._wrap_generate(model)
         return True
+
+    def _wrap_generate(self, model: Any) -> None:
+        """Time the model's ``generate`` as a phase of its own (instance attribute, removed
+        by ``detach``)."""
+        generate = getattr(model, "generate", None)
+        if not callable(generate) or "generate" in vars(model):
+            return
+        self._generating = False
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self.armed:
+                self._note("backward" if self._seen_forward else "before", self._read())
+            self._generating = True
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                self._generating = False
+                if self.armed:
+                    self._note("generate", self._read())
+
+        model.generate = timed
+        self._generate_of = model
 
     def detach(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
         self.armed = False
+        model = getattr(self, "_generate_of", None)
+        if model is not None:
+            vars(model).pop("generate", None)
+            self._generate_of = None
 
     def arm(self) -> None:
         self.armed, self.peaks, self._seen_forward = bool(self._handles), {}, False
@@ -59,14 +97,17 @@ class StepPhases:
             self.peaks[name] = max(self.peaks.get(name, 0), peak)
 
     def _pre(self, module, args) -> None:
-        if self.armed:
+        if self.armed and not getattr(self, "_generating", False):
             peak = self._read()
             self._note("backward" if self._seen_forward else "before", peak)
 
     def _post(self, module, args, output) -> None:
-        if self.armed:
-            self._note("forward", self._read())
-            self._seen_forward = True
+        if self.armed and not getattr(self, "_generating", False):
+            if torch.is_grad_enabled():
+                self._note("forward", self._read())
+                self._seen_forward = True
+            else:                               # scoring without grad (GRPO, RLOO)
+                self._note("score", self._read())
 
     def finish(self, peak: int | None) -> dict[str, int]:
         """At ``on_pre_optimizer_step``, with the peak read there: ``fwd_bwd`` always (the
@@ -74,7 +115,8 @@ class StepPhases:
         forward."""
         self._note("backward" if self._seen_forward else "before", peak)
         before = self.peaks.pop("before", None)
-        out = dict(self.peaks) if self._seen_forward else {}
+        out = dict(self.peaks) if self._seen_forward else \
+            {k: v for k, v in self.peaks.items() if k in ("generate", "score")}
         values = [v for v in (*self.peaks.values(), before) if v is not None]
         if values:
             out["fwd_bwd"] = max(values)

@@ -18,6 +18,10 @@ At each logging step it adds (GiB unless named otherwise; axolotl's names in bra
                                  gradient clipping (both: ``_phases``, where they separate)
     memory/peak_fwd_bwd_gib      peak of forward + backward (all micro-batches) of the logged step
     memory/peak_optimizer_gib    peak of the optimizer step of the logged step
+    memory/peak_generate_gib     TRL's GRPO / RLOO: peak of the model's generate in the logged
+                                 step (its own; a colocated vLLM shows in process_used)
+    memory/peak_score_gib        ... and of its forwards without grad (old and reference
+                                 log-probs)
     memory/peak_eval_gib         peak of an evaluation run during training; in that
                                  evaluation's log (its keys are ``eval_*``)
     memory/nvml_used_gib         the whole device's used memory as nvidia-smi shows it: every
@@ -425,6 +429,7 @@ class MemoryCallback(TrainerCallback):
 
 _GIB_KEYS = ("allocated", "reserved", "peak_allocated", "peak_active", "peak_reserved",
              "fragmentation", "peak_forward", "peak_backward", "peak_fwd_bwd", "peak_optimizer",
+             "peak_generate", "peak_score",
              "peak_eval", "nvml_used", "process_used", "other_processes", "rss",
              "predicted_peak")
 
