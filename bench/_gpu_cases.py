@@ -12,7 +12,8 @@ without bitsandbytes, each ~6-12 s (the 7 TRL / Liger ones ~10-15 s: TRL's
 import and dataset preparation), almost all of it the child process's start (imports, CUDA
 context, model init on the GPU); the 3 measured steps of every case take well under 2 s of GPU
 time (the largest, Qwen2.5-1.5B at 4 x 1024 tokens with checkpointing, does ~50 TFLOP per step).
-The TRL cases (``trainer="sft"`` / ``"dpo"``) need ``trl``, the Liger ones ``liger_kernel``;
+The TRL cases (``trainer="sft"`` / ``"dpo"`` / ``"grpo"``; 57 cases in all since issue 26) need
+``trl``, the Liger ones ``liger_kernel``;
 each runs only where its needs import, and Liger / TRL activation offloading only on a GPU.
 """
 
@@ -30,15 +31,15 @@ FAMILIES = ("llama", "qwen2", "gpt2", "bert-cls", "t5")
 PRECISIONS = ("fp32", "amp_bf16", "amp_fp16", "pure_bf16")
 METHODS = ("full", "lora", "qlora")
 STAGES = ("train", "forward_backward")
-# transformers.Trainer, trl.SFTTrainer, trl.DPOTrainer
-TRAINERS = ("trainer", "sft", "dpo")
+# transformers.Trainer, trl.SFTTrainer, trl.DPOTrainer, trl.GRPOTrainer (its own generate)
+TRAINERS = ("trainer", "sft", "dpo", "grpo")
 # how the model is built: from_config straight on the device, or saved then
 # from_pretrained(dir, device_map=<device>) (transformers' caching_allocator_warmup runs)
 LOADS = ("config", "pretrained")
 # optimizer each method/optim needs beyond torch + transformers (+ peft for LoRA)
 OPTIM_NEEDS = {"adamw_bnb_8bit": ("bitsandbytes",)}
 METHOD_NEEDS = {"full": (), "lora": ("peft",), "qlora": ("peft", "bitsandbytes")}
-TRAINER_NEEDS = {"trainer": (), "sft": ("trl",), "dpo": ("trl",)}
+TRAINER_NEEDS = {"trainer": (), "sft": ("trl",), "dpo": ("trl",), "grpo": ("trl",)}
 LIGER_NEEDS = ("liger_kernel",)
 # TrainingArguments fields of each precision; pure_bf16 loads the weights in bf16 instead
 PRECISION_ARGS = {"fp32": {}, "amp_bf16": {"bf16": True}, "amp_fp16": {"fp16": True},
@@ -154,6 +155,9 @@ class Case:
         "help": "One of TRAINERS: transformers.Trainer, trl.SFTTrainer or trl.DPOTrainer "
                 "(SFTConfig / DPOConfig with max_length = seq_len; for DPO each chosen / "
                 "rejected row is at most seq_len tokens)."})
+    completion_len: int | None = field(default=None, metadata={
+        "help": "GRPO: max_completion_length (seq_len is the prompt; 4 generations a prompt, "
+                "beta 0, the policy's own generate)."})
     liger: bool = field(default=False, metadata={
         "help": "use_liger_kernel=True (Liger's Triton kernels: a GPU only)."})
     trl_offload: bool = field(default=False, metadata={
@@ -187,6 +191,9 @@ class Case:
         elif self.trainer != "trainer" and (self.task != "causal-lm" or self.stage != "train"):
             problems.append(f"trainer `{self.trainer}` (TRL) trains causal LMs: task causal-lm, "
                             "stage train")
+        if (self.trainer == "grpo") != (self.completion_len is not None):
+            problems.append("completion_len is GRPO's max_completion_length: give it with "
+                            "trainer 'grpo' and only then")
         if self.trl_offload and self.trainer not in ("sft", "dpo"):
             problems.append("trl_offload is TRL's activation_offloading: it needs trainer "
                             "'sft' or 'dpo'")
@@ -239,7 +246,8 @@ class Case:
             parts.append("at-required")
         if self.load != "config":
             parts.append(self.load)
-        shape = f"b{self.batch}s{self.seq_len}" + (f"t{self.target_len}" if self.target_len else "")
+        shape = f"b{self.batch}s{self.seq_len}" + (f"t{self.target_len}" if self.target_len else "") \
+            + (f"c{self.completion_len}" if self.completion_len else "")
         return ".".join([*parts, shape])
 
     def settings(self) -> dict[str, Any]:
@@ -339,6 +347,12 @@ CASES: tuple[Case, ...] = (
     _c("llama-160m", "amp_bf16", trainer="dpo", method="lora", seq_len=512),
     _c("llama-160m", "amp_bf16", trainer="dpo", trl_offload=True),
     _c("qwen2-0.5b", "amp_bf16", trainer="sft", liger=True, ckpt=True),
+    # issue 26: GRPO generating with the policy's own generate (16 rows: 4 x 4 accumulation;
+    # the KV cache of prompt + completion), then scoring-free training (beta 0, aligned)
+    _c("llama-160m", "amp_bf16", trainer="grpo", batch=4, accum=4, seq_len=256,
+       completion_len=512),
+    _c("qwen2-0.5b", "amp_bf16", trainer="grpo", method="lora", batch=4, accum=2, ckpt=True,
+       seq_len=256, completion_len=1024),
     # issue #24: how reserved grows over the steps (reserved after each step is recorded for
     # every case; these run longer), and the allocator's fit test: the step capped at the
     # estimate's smallest capacity must complete

@@ -1,4 +1,5 @@
-"""Estimator vs an independent CPU measurement of real TRL runs (SFTTrainer, DPOTrainer).
+"""Estimator vs an independent CPU measurement of real TRL runs (SFTTrainer, DPOTrainer,
+GRPOTrainer and RLOOTrainer generating with the policy's own ``generate``).
 
 Each case trains 3 steps through the real ``trl.SFTTrainer`` / ``trl.DPOTrainer`` in a child
 process (``hf_memkit.testing.groundtruth`` + ``groundtruth_trl``: RSS with
@@ -9,7 +10,7 @@ trainer=...)``, made without running anything. As a baseline, the same setup est
 
 Bar (issue #14): median |error| <= 3%, worst <= 5% (DESIGN.md's CPU bar: 1% / 3%).
 
-    python bench/estimator_trl.py [--json results.json] [--only SUBSTRING]
+    python bench/estimator_trl.py [--json results.json] [--only SUBSTRING ...]
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import warnings
 
 from rich.console import Console
 from rich.table import Table
-from transformers import LlamaConfig, Qwen2Config
+from transformers import LlamaConfig, Qwen2Config, TrainingArguments
 
 import hf_memkit as mk
 from hf_memkit._units import MiB
@@ -37,6 +38,9 @@ LLAMA = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2,
 QWEN = Qwen2Config(hidden_size=256, intermediate_size=704, num_hidden_layers=2,
                    num_attention_heads=8, num_key_value_heads=2, vocab_size=16000,
                    tie_word_embeddings=True)
+RL_DEEP = LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=8, vocab_size=4000,
+                      tie_word_embeddings=False)
 LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
             lora_dropout=0.0)
 FP32 = dict(bf16=False, gradient_checkpointing=False)
@@ -81,14 +85,39 @@ CASES = [
     case("dpo precompute_ref b2x512", "dpo", LLAMA,
          dict(per_device_train_batch_size=2, max_length=512, precompute_ref_log_probs=True,
               **FP32), 512),
+    # GRPO / RLOO (use_vllm=False): seq is the longest prompt; completions run to
+    # max_completion_length. Train-bound: TRL's CPU head tiles dominate a small model's step
+    case("grpo fp32 b8 g4 p128+c64", "grpo", LLAMA,
+         dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=64,
+              **FP32), 128),
+    # num_iterations=2: old log-probs are scored; beta > 0: TRL loads a reference copy
+    case("grpo ref copy + old logps b4 p96+c64", "grpo", LLAMA,
+         dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=64,
+              beta=0.04, num_iterations=2, **FP32), 96),
+    case("grpo lora beta (adapters as ref) b4 p96+c64", "grpo", LLAMA,
+         dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=64,
+              beta=0.04, **FP32), 96, lora=LORA),
+    # generation-bound: 32 rows (2 x 16 accumulation steps) decode 448 tokens with an 8-layer
+    # model's KV cache while checkpointing keeps the train micro-steps small
+    case("grpo ckpt generation-bound 32 rows p64+c448", "grpo", RL_DEEP,
+         dict(per_device_train_batch_size=2, gradient_accumulation_steps=16,
+              num_generations=8, max_completion_length=448, bf16=False,
+              gradient_checkpointing=True), 64),
+    case("rloo defaults (beta 0.05: ref copy) b4 g2 p128+c64", "rloo", LLAMA,
+         dict(per_device_train_batch_size=4, max_completion_length=64, **FP32), 128),
 ]
+RL = ("grpo", "rloo")
 
 
 def predict(c, trainer=None):
     import peft
 
     args = dict(c["args"])
-    if trainer == "trainer":  # what a plain-Trainer estimate of the same setup says
+    seq = c["estimate_seq"] or (c["seq"] if trainer else None)
+    if trainer == "trainer" and c["trainer"] in RL:  # the train step alone, prompt + completion
+        seq += args["max_completion_length"]
+        args = {k: v for k, v in args.items() if k in TrainingArguments.__dataclass_fields__}
+    elif trainer == "trainer":  # what a plain-Trainer estimate of the same setup says
         args = {k: v for k, v in args.items() if k not in ("max_length", "padding_free",
                                                            "packing", "loss_type",
                                                            "precompute_ref_log_probs")}
@@ -101,7 +130,7 @@ def predict(c, trainer=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return mk.estimate_memory(
-            c["config"], args, seq_len=c["estimate_seq"] or (c["seq"] if trainer else None),
+            c["config"], args, seq_len=seq,
             device="cpu", trainer=trainer or c["trainer"], lengths=lengths,
             peft_config=peft.LoraConfig(**c["lora"]) if c["lora"] else None)
 
@@ -131,9 +160,10 @@ def run_case(c, console) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write per-case results here")
-    ap.add_argument("--only", help="run cases whose name contains this")
+    ap.add_argument("--only", action="append",
+                    help="run cases whose name contains this (repeat for several)")
     a = ap.parse_args(argv)
-    cases = [c for c in CASES if not a.only or a.only in c["name"]]
+    cases = [c for c in CASES if not a.only or any(o in c["name"] for o in a.only)]
     console = Console(width=150)
     rows = [run_case(c, console) for c in cases]
     t = Table(title="estimate_memory vs measured peak (CPU, real TRL trainers, RSS method)")
@@ -149,7 +179,7 @@ def main(argv=None):
     plain = [abs(r["plain_err"]) for r in rows]
     summary = dict(cases=len(rows), median_abs_err=statistics.median(errs),
                    worst_abs_err=max(errs), plain_trainer_median_abs_err=statistics.median(plain))
-    for kind in ("sft", "dpo"):
+    for kind in ("sft", "dpo", *RL):
         ks = [abs(r["err"]) for r in rows if r["trainer"] == kind]
         if ks:
             summary[f"{kind}_median_abs_err"], summary[f"{kind}_worst_abs_err"] = \

@@ -389,7 +389,10 @@ def memory_args(case: Case, fields: set[str] | dict[str, Any]) -> dict[str, Any]
             a[ckpt + "_kwargs"]["offload"] = True
     if case.liger:
         a["use_liger_kernel"] = True
-    if case.trainer != "trainer":  # DPO: the longest chosen / rejected row (prompt included)
+    if case.trainer == "grpo":  # seq_len is the prompt; completions to max_completion_length
+        a = {"bf16": False, ckpt: False, **a, "max_completion_length": case.completion_len,
+             "num_generations": 4, "beta": 0.0}
+    elif case.trainer != "trainer":  # DPO: the longest chosen / rejected row (prompt included)
         a = {"bf16": False, ckpt: False, **a, "max_length": case.seq_len}
         if case.trl_offload:  # TRL's saved-activation offloading to pinned host memory
             a["activation_offloading"] = True
@@ -638,7 +641,8 @@ def shrunk(case: Case, smoke: bool) -> Case:
     if not smoke:
         return case
     return dataclasses.replace(case, batch=min(case.batch, 2), seq_len=32,
-                               target_len=16 if case.target_len else None)
+                               target_len=16 if case.target_len else None,
+                               completion_len=16 if case.completion_len else None)
 
 
 def run_one(case: Case, smoke: bool, ready: dict[str, Any] | None = None) -> None:

@@ -12,7 +12,15 @@ Spec keys besides ``groundtruth.measure_trainer_peak``'s:
     tokenizer maps one to one onto token ids;
   * ``ref_model`` (DPO, default True): pass a separate reference model, built like the policy,
     unless the policy is a PEFT model or ``precompute_ref_log_probs`` is set (as users must:
-    ``DPOTrainer`` loads the reference from the model's Hub name otherwise, DESIGN.md).
+    ``DPOTrainer`` loads the reference from the model's Hub name otherwise, DESIGN.md);
+  * "grpo" / "rloo": ``GRPOTrainer`` / ``RLOOTrainer`` generating with the policy's own
+    ``generate`` (``use_vllm=False``); each row is a ``prompt`` of ``seq_len`` words (the longest
+    prompt, as ``estimate_memory``'s ``seq_len``), rewarded by the completion's share of even
+    token ids (any function does: rewards are host floats). EOS is id 1 of a vocabulary of
+    thousands, so a random policy's completions run to ``max_completion_length`` (generation
+    stops only when every row has stopped). With ``beta > 0`` and no PEFT, TRL loads the
+    reference from the policy's ``_name_or_path``: the policy is saved to the work directory
+    first and its config points there.
 
 The processing class is a word-level tokenizer built in memory (no download): pad, EOS and
 unk are ids 0-2 and ``w<id>`` is token ``id``, split on whitespace.
@@ -92,4 +100,40 @@ def make_trl_trainer(spec: dict[str, Any], model: Any, a: dict[str, Any], n: int
             ref = build_model(spec, workdir)
         return trl.DPOTrainer(model=model, ref_model=ref, args=config, train_dataset=data,
                               processing_class=tokenizer(vocab), callbacks=callbacks)
-    raise ValueError(f"trainer must be 'trainer', 'sft' or 'dpo', got {kind!r}")
+    if kind in ("grpo", "rloo"):
+        return _rl_trainer(spec, model, a, n, workdir, callbacks)
+    raise ValueError(f"trainer must be 'trainer', 'sft', 'dpo', 'grpo' or 'rloo', got {kind!r}")
+
+
+def prompt_rows(spec: dict[str, Any], vocab: int, n: int) -> list[dict[str, str]]:
+    """``n`` prompts of ``spec["prompt_lengths"]`` (cycled; default ``seq_len``) words."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return [{"prompt": " ".join(f"w{i}" for i in _ids(g, vocab, k))}
+            for k in _counts(spec.get("prompt_lengths", spec["seq_len"]), n)]
+
+
+def _rl_trainer(spec: dict[str, Any], model: Any, a: dict[str, Any], n: int, workdir: str,
+                callbacks: list[Any]) -> Any:
+    import os
+
+    import datasets
+    import trl
+
+    from .._trainers.rl import even_ids
+
+    vocab = model.config.get_text_config().vocab_size
+    config_cls, trainer_cls = (trl.GRPOConfig, trl.GRPOTrainer) if spec["trainer"] == "grpo" \
+        else (trl.RLOOConfig, trl.RLOOTrainer)
+    a = dict(a, use_vllm=False)
+    # every prompt is repeated num_generations times: n rows of completions need n / G prompts
+    config = config_cls(**a)
+    prompts = prompt_rows(spec, vocab, max(1, n // config.num_generations) + 1)
+    if config.beta != 0.0 and not spec.get("lora"):  # TRL loads the reference from here
+        path = os.path.join(workdir, "policy")
+        model.save_pretrained(path)
+        model.config._name_or_path = path
+    return trainer_cls(model=model, reward_funcs=even_ids, args=config,
+                       train_dataset=datasets.Dataset.from_list(prompts),
+                       processing_class=tokenizer(vocab), callbacks=callbacks)

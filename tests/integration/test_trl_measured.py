@@ -1,5 +1,6 @@
-"""TRL's SFTTrainer and DPOTrainer estimated as they run, checked against real TRL runs measured
-independently (``hf_memkit.testing.groundtruth``, RSS method, in a child process)."""
+"""TRL's SFTTrainer, DPOTrainer, GRPOTrainer and RLOOTrainer estimated as they run, checked
+against real TRL runs measured independently (``hf_memkit.testing.groundtruth``, RSS method,
+in a child process)."""
 
 from __future__ import annotations
 
@@ -98,3 +99,42 @@ def test_sft_trains_a_quantized_models_adapters_in_bf16_as_a_real_run_measures()
         mp.setattr(TrlTrainerKind, "adapter_dtype", lambda self, **kw: None)
         fp32 = estimate()
     assert fp32.peak_allocated / m["peak"] - 1 > 0.10
+
+
+def test_grpo_and_rloo_estimates_match_real_runs_that_generate():
+    """GRPOTrainer (no reference, generation with the policy's generate) and RLOOTrainer (a
+    reference copy loaded by TRL, old and reference log-probs scored) against real runs."""
+    for kind, args in (("grpo", dict(per_device_train_batch_size=4, num_generations=4,
+                                     max_completion_length=32, **FP32)),
+                       ("rloo", dict(per_device_train_batch_size=4, max_completion_length=32,
+                                     **FP32))):
+        e = _est(args, trainer=kind, seq_len=64)
+        assert {"generate (decode)", "forward", "backward"} <= set(e.phase_peaks)
+        m = measure_trainer_peak({"config": CFG.to_dict(), "args": args, "seq_len": 64,
+                                  "trainer": kind})
+        assert abs(e.peak_allocated / m["peak"] - 1) < 0.03, (kind, e.peak_allocated, m)
+
+
+def test_memory_callback_logs_grpo_generation_and_scoring(tmp_path):
+    """On a real GRPOTrainer, MemoryCallback separates the generate and score phases from the
+    forward and backward, each a peak no larger than the step's (num_iterations=2: the policy
+    scores its old log-probs)."""
+    from hf_memkit.callbacks import MemoryCallback
+    from hf_memkit.testing.groundtruth_trl import make_trl_trainer
+    from hf_memkit.testing.models import build_model
+
+    args = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=16,
+                num_iterations=2, max_steps=2, logging_steps=1, use_cpu=True, report_to=[],
+                save_strategy="no", output_dir=str(tmp_path / "out"), disable_tqdm=True, **FP32)
+    spec = {"config": CFG.to_dict(), "trainer": "grpo", "seq_len": 32, "args": args}
+    model = build_model(spec, str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = make_trl_trainer(spec, model, dict(args), 16, str(tmp_path),
+                                   [MemoryCallback(plot=False)])
+        trainer.train()
+    logs = [h for h in trainer.state.log_history if "memory/peak_generate_gib" in h]
+    assert logs, trainer.state.log_history[-1]
+    last = logs[-1]
+    for key in ("generate", "score", "forward", "backward"):
+        assert 0 < last[f"memory/peak_{key}_gib"] <= last["memory/peak_allocated_gib"], key

@@ -104,7 +104,7 @@ def test_trl_and_liger_cases_are_listed_with_what_they_need():
     p = _run("--list")
     assert "need trl" in p.stdout and "need liger_kernel" in p.stdout
     rows = {r["id"]: r for r in _listed()}
-    assert {"trainer", "sft", "dpo"} == {r["trainer"] for r in rows.values()}
+    assert {"trainer", "sft", "dpo", "grpo"} == {r["trainer"] for r in rows.values()}
     for r in rows.values():
         needs = r["needs"].split(",")
         assert ("trl" in needs) == (r["trainer"] != "trainer"), r
@@ -125,7 +125,9 @@ def test_trl_and_liger_cases_are_listed_with_what_they_need():
 
 
 @pytest.mark.parametrize("kw, message", [
-    ({"trainer": "grpo"}, "trainer `grpo` not in"),
+    ({"trainer": "kto"}, "trainer `kto` not in"),
+    ({"trainer": "grpo"}, "completion_len is GRPO's max_completion_length"),
+    ({"completion_len": 64}, "completion_len is GRPO's max_completion_length"),
     ({"trl_offload": True}, "trl_offload is TRL's activation_offloading"),
     ({"trainer": "sft", "stage": "forward_backward", "precision": "fp32"}, "trains causal LMs"),
     ({"liger": True, "stage": "forward_backward", "precision": "fp32"}, "needs stage train"),
