@@ -364,8 +364,11 @@ def add_trainer_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trainer", default=None, metavar="TRAINER",
                    help="trainer (transformers.Trainer, the default), sft (TRL's SFTTrainer: "
                         "its fused log-prob head, SFTConfig's fields and defaults: bf16 and "
-                        "checkpointing on) or dpo (DPOTrainer: chosen + rejected rows, a "
-                        "reference model); needs pip install 'hf-memkit[trl]'")
+                        "checkpointing on), dpo (DPOTrainer: chosen + rejected rows, a "
+                        "reference model), grpo (GRPOTrainer) or rloo (RLOOTrainer): "
+                        "generation, scoring and training phases, --seq-len the longest "
+                        "prompt, max_completion_length=N, use_vllm=true for a colocated vLLM; "
+                        "needs pip install 'hf-memkit[trl]'")
 
 
 def estimate_command(args: argparse.Namespace) -> int:

@@ -53,7 +53,7 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                         "(.yaml file or bundled recipe name; hf-memkit recipes list)")
     p.add_argument("fields", nargs="*", metavar="FIELD=VALUE", type=field_text,
                    help="TrainingArguments fields to pin, e.g. optim=adamw_torch_fused (with "
-                        "--trainer sft/dpo: SFTConfig/DPOConfig fields, e.g. packing=true)")
+                        "--trainer sft/dpo/grpo/rloo: their config's fields, e.g. packing=true)")
     p.add_argument("--gpu", default=None, help="catalog GPU or 'cpu'; default: this machine "
                                                "(or the recipe's hardware.device)")
     p.add_argument("--num-gpus", type=positive_int, default=None,
