@@ -75,14 +75,38 @@ def rollout_phases(spec: ModelSpec, setup: TrainingSetup, rs: RankStates, *, seq
         kw = dict(seq_len=seq_len, stage="eval", target_len=None, padded=False, target=target)
         ex = trace_excess(spec, s, **kw) if cache is None else cache.excess(spec, s, exact=True,
                                                                             **kw)
-        base = rs.weights + rs.optimizer + rs.buckets + held + grads + ex.inputs
+        gathered = gathered_for(spec, setup, rs, phase)
+        base = rs.weights + rs.optimizer + rs.buckets + held + grads + ex.inputs + gathered
         for name, extra in ex.phases.items():
             cats = ex.categories.get(name, {})
-            parts = {"weights": rs.weights + held, "gradients": grads + rs.buckets,
+            parts = {"weights": rs.weights + held + gathered, "gradients": grads + rs.buckets,
                      "optimizer": rs.optimizer, "activations": cats.get("Activation", 0)}
             parts["temporaries"] = max(0, base + extra - sum(parts.values()))
             out[TRACED[name]] = RolloutPhase(sum(parts.values()), parts, ex)
     return out
+
+
+def zero3_gathers(setup: TrainingSetup) -> bool:
+    """Whether generation gathers the whole model at once: DeepSpeed ZeRO-3 with
+    ``ds3_gather_for_generation`` (TRL's ``unwrap_model_for_generation``:
+    ``GatheredParameters(model.parameters())``)."""
+    sh = setup.sharding
+    return sh.engine == "deepspeed" and sh.stage == 3 and \
+        setup.trainer_options.get("ds3_gather_for_generation", True) is not False
+
+
+def gathered_for(spec: ModelSpec, setup: TrainingSetup, rs: RankStates, phase: str) -> int:
+    """Unsharded parameters a rollout phase holds on top of this rank's shards: the whole
+    16-bit model while ZeRO-3 generates with ``ds3_gather_for_generation``; otherwise what the
+    engine's forward gathers (FSDP's ``summon_full_params(recurse=False)`` gathers only the
+    root's own parameters, its forward the layers one by one; ZeRO-3 without the gather, its
+    modules one by one)."""
+    if not setup.engine.sharded:
+        return 0
+    if phase == "generate" and zero3_gathers(setup):   # DeepSpeed's 16-bit parameters
+        half = 2 if setup.amp else spec.dtype.itemsize
+        return sum(p.numel() for p in spec.meta.parameters()) * half
+    return rs.gathered_forward
 
 
 def rollout_notes(setup: TrainingSetup, phases: dict[str, RolloutPhase]) -> list[str]:
@@ -100,10 +124,9 @@ def rollout_notes(setup: TrainingSetup, phases: dict[str, RolloutPhase]) -> list
         notes.append("generation falls inside a gradient accumulation (the accumulation steps "
                      "do not divide steps_per_generation x num_iterations): the accumulated "
                      "gradients are alive while it runs")
-    if setup.engine.sharded and "generate (decode)" in phases:
-        notes.append("not modelled: generation under a sharded engine gathers the whole model "
-                     "(ds3_gather_for_generation, FSDP summon_full_params); the generate phases "
-                     "count this rank's shards only")
+    if zero3_gathers(setup) and "generate (decode)" in phases:
+        notes.append("generation under ZeRO-3 gathers the whole model at once "
+                     "(ds3_gather_for_generation=True; False gathers module by module, slower)")
     return notes
 
 

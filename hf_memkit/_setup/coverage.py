@@ -130,8 +130,6 @@ UNMODELLED: dict[str, Unmodelled] = {
            ("transformers_continuous_batching_config", "the paged KV cache's size",
             {"use_transformers_continuous_batching": (True,)}),
            ("use_transformers_paged", "generation from a paged KV cache of its own size", {}),
-           ("ds3_gather_for_generation", "whether generation under ZeRO-3 gathers the whole "
-            "model", {}),
            ("vllm_model_impl", "the colocated vLLM's model implementation (vLLM's or "
             "transformers' modelling code, with activations of their own)",
             {"use_vllm": (True,)}))},

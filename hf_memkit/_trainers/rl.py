@@ -205,7 +205,8 @@ class GRPO(TrlTrainerKind):
               "top_p", "min_p", "repetition_penalty", "pad_to_multiple_of", "epsilon",
               "use_vllm", "vllm_mode", "vllm_importance_sampling_correction",
               "vllm_gpu_memory_utilization", "vllm_max_model_length",
-              "vllm_tensor_parallel_size", "vllm_enable_sleep_mode")
+              "vllm_tensor_parallel_size", "vllm_enable_sleep_mode",
+              "ds3_gather_for_generation")
     takes_ref_model = False
     derived = ("generation_batch_size", "steps_per_generation")   # GRPOConfig.__post_init__
     irrelevant = {

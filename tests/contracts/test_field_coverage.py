@@ -45,7 +45,7 @@ NON_DEFAULT = {
     "cache_implementation": "static", "generation_kwargs": {"top_k": 50},
     "use_transformers_continuous_batching": True,
     "transformers_continuous_batching_config": {"num_blocks": 64},
-    "use_transformers_paged": True, "ds3_gather_for_generation": False,
+    "use_transformers_paged": True,
     "vllm_model_impl": "transformers", "cast_lm_head_to_fp32": True,
     "max_tool_calling_iterations": 4,
 }

@@ -159,3 +159,20 @@ def test_vllm_that_cannot_start_beside_the_trainer_does_not_fit():
              device="H100-80GB", seq_len=128, dtype=torch.bfloat16)
     assert e.fits is False and e.refusals
     assert any("0.99" in r or "utilization" in r for r in e.refusals), e.refusals
+
+
+def test_generation_under_zero3_gathers_the_whole_model():
+    """TRL's unwrap_model_for_generation gathers every parameter under ZeRO-3
+    (ds3_gather_for_generation=True): the generate phases hold the whole 16-bit model on each
+    rank beside its shards; without the gather, DeepSpeed gathers module by module."""
+    ds = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    args = {**RL, "bf16": True, "deepspeed": ds, "per_device_train_batch_size": 1}
+    kw = dict(model=SMALL, device="A100-80GB", seq_len=64, num_gpus=2)
+    whole = _est(args, **kw)
+    parts = _est({**args, "ds3_gather_for_generation": False}, **kw)
+    model_16bit = 2 * mk.profile_model(SMALL).total_params
+    # the whole model instead of the modules DeepSpeed gathers one by one (its largest ones)
+    assert whole.phase_peaks["generate (decode)"] > parts.phase_peaks["generate (decode)"]
+    assert whole.phase_peaks["generate (decode)"] > model_16bit   # all of it, plus the shards
+    assert whole.phase_peaks["forward"] == parts.phase_peaks["forward"]
+    assert any("gathers the whole model" in n for n in whole.notes)
