@@ -67,6 +67,34 @@ def smallest_share(req: PlanRequest, spec: Any) -> tuple[float, str]:
     return share, why
 
 
+# bytes a parameter of the policy takes when vLLM starts, by the lightest method the plan may use
+START_BYTES = {"qlora": 0.5, "fsdp-qlora": 0.5, "lora-8bit": 1.0}
+
+
+def startup_problem(req: PlanRequest, share: float, spec: Any) -> str | None:
+    """vLLM's start-up rule against the lightest policy the plan may load: it starts only if
+    the free memory (the card less the CUDA context and the policy, loaded in the trainer's
+    ``__init__`` before vLLM) holds ``share x total`` (``vllm/v1/worker/utils.py:
+    request_memory``). None when some setup can start it."""
+    import math
+
+    from .._cuda.runtime import cuda_runtime
+    from .._methods import ladder
+
+    numel = sum(p.numel() for p in spec.meta.parameters())
+    per_param = min([START_BYTES.get(m.name, 2.0) for m in ladder(req.method)] or [2.0])
+    total = req.dev.total_memory
+    free = total - cuda_runtime(req.cuda_version).context - int(numel * per_param)
+    if math.ceil(share * total) <= free:
+        return None
+    most = math.floor(free / total / SHARE_STEP) * SHARE_STEP
+    return (f"vllm_gpu_memory_utilization={share} asks vLLM for {format_bytes(share * total)} "
+            f"at start-up, but with the policy loaded ({format_bytes(numel * per_param)} at "
+            f"{per_param:g} bytes a parameter, the lightest method allowed) and the CUDA "
+            f"context at most {format_bytes(free)} is free, and vLLM refuses to start "
+            f"(request_memory); use at most {most:.2f}, or vllm_mode='server'")
+
+
 def with_pin(req: PlanRequest, **pins: Any) -> PlanRequest:
     import dataclasses
 
@@ -76,15 +104,18 @@ def with_pin(req: PlanRequest, **pins: Any) -> PlanRequest:
 def plan_beside_vllm(req: PlanRequest, run: Callable[[PlanRequest], Any]) -> Any:
     """``run(req)`` (the plan) with vLLM's share chosen and sleep mode as the fallback (module
     docstring); ``req`` unchanged where vLLM is not colocated."""
-    from .._errors import HfMemkitError
+    from .._errors import ConfigError, HfMemkitError
     from .space import SpecBook
 
     if not colocates(req):
         return run(req)
-    notes = []
+    notes, spec = [], SpecBook(req, {}).base
     if "vllm_gpu_memory_utilization" not in req.constraints:
-        share, why = smallest_share(req, SpecBook(req, {}).base)
+        share, why = smallest_share(req, spec)
         req, notes = with_pin(req, vllm_gpu_memory_utilization=share), [why]
+    problem = startup_problem(req, float(req.constraints["vllm_gpu_memory_utilization"]), spec)
+    if problem:
+        raise ConfigError([problem], source="plan_training")
     try:
         plan = run(req)
     except HfMemkitError as exc:

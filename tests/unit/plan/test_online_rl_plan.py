@@ -77,3 +77,16 @@ def test_the_plan_applies_onto_a_users_grpo_config():
     assert args.per_device_train_batch_size == kw["per_device_train_batch_size"]
     assert args.steps_per_generation == kw["gradient_accumulation_steps"]
     assert args.generation_batch_size == 8
+
+
+def test_a_share_vllm_cannot_start_with_is_refused_naming_the_largest_that_can():
+    """vLLM starts only if the free memory, after the policy and the CUDA context, holds its
+    share of the card (request_memory): 0.97 of an RTX 4090 cannot be free beside any policy."""
+    with pytest.raises(ConfigError) as exc:
+        _plan(seq_len=256, target_batch_size=16, vllm_gpu_memory_utilization=0.97, **COLOCATED)
+    msg = str(exc.value)
+    assert "vllm_gpu_memory_utilization=0.97" in msg and "refuses to start" in msg
+    most = float(msg.split("use at most ")[1].split(",")[0])
+    total = mk.get_device("RTX-4090").total_memory
+    params = mk.profile_model(SMALL).total_params
+    assert most * total + params * 0.5 < total            # the share it names can start
