@@ -48,6 +48,8 @@ class StepPhases:
         self.peaks: dict[str, int] = {}
         self._handles: list[Any] = []
         self._seen_forward = False
+        self._generating = False          # inside the wrapped generate
+        self._generate_of: Any = None     # the model whose generate is wrapped
 
     def attach(self, model: Any) -> bool:
         if model is None or not hasattr(model, "register_forward_pre_hook"):
@@ -63,7 +65,6 @@ class StepPhases:
         generate = getattr(model, "generate", None)
         if not callable(generate) or "generate" in vars(model):
             return
-        self._generating = False
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             if self.armed:
@@ -84,9 +85,8 @@ class StepPhases:
             h.remove()
         self._handles = []
         self.armed = False
-        model = getattr(self, "_generate_of", None)
-        if model is not None:
-            vars(model).pop("generate", None)
+        if self._generate_of is not None:
+            vars(self._generate_of).pop("generate", None)
             self._generate_of = None
 
     def arm(self) -> None:
@@ -97,12 +97,12 @@ class StepPhases:
             self.peaks[name] = max(self.peaks.get(name, 0), peak)
 
     def _pre(self, module, args) -> None:
-        if self.armed and not getattr(self, "_generating", False):
+        if self.armed and not self._generating:
             peak = self._read()
             self._note("backward" if self._seen_forward else "before", peak)
 
     def _post(self, module, args, output) -> None:
-        if self.armed and not getattr(self, "_generating", False):
+        if self.armed and not self._generating:
             if torch.is_grad_enabled():
                 self._note("forward", self._read())
                 self._seen_forward = True
