@@ -76,3 +76,39 @@ def _deepspeed(name: str, zero: dict[str, Any]) -> dict[str, Any]:
     spec = _spec(name, "deepspeed", optim="adamw_torch", bf16=True)
     spec["deepspeed"] = {"bf16": {"enabled": True}, "zero_optimization": zero}
     return spec
+
+
+SP_SEQ_LEN = 2048
+
+
+def parallel_cases() -> list[dict[str, Any]]:
+    """Tensor and sequence parallelism over ``NPROC`` gloo ranks (``hf_memkit.testing.
+    _parallel_worker``), the same Llama. TP: loaded with transformers' ``DistributedConfig
+    (tp_size=2)`` and trained with the Trainer's steps (the Trainer refuses TP on CPU), at the DDP
+    cases' seq 256 x micro-batch 4, fp32, bf16 autocast (``bf16=True``), and a bf16-loaded
+    model with ``bf16=True``. SP: DeepSpeed Ulysses through the real Trainer, ZeRO-3 (ALST's
+    stage) and ZeRO-2, fp32 only (bf16 on CPU needs ``use_cpu``, which Ulysses cannot have),
+    micro-batch 1 at 1024 and 2048 tokens; beside it the same ZeRO-3 run without SP (each rank its
+    own 2048-token sample) so the activation split shows. Context parallelism does not run on
+    CPU (``_parallel_worker.CP_ON_CPU``): no case."""
+    zero3 = {"stage": 3, "reduce_bucket_size": 500_000, "stage3_prefetch_bucket_size": 500_000,
+             "stage3_param_persistence_threshold": 0}
+    zero2 = {"stage": 2, "reduce_bucket_size": 500_000, "allgather_bucket_size": 500_000}
+    return [
+        _spec("tp-fp32", "tp"),
+        _spec("tp-bf16-autocast", "tp", bf16=True),
+        _spec("tp-bf16-loaded", "tp", dtype="bfloat16", bf16=True),
+        _long("sp-zero3-fp32-seq1024", "sp", zero3, 1024),
+        _long("sp-zero3-fp32-seq2048", "sp", zero3, SP_SEQ_LEN),
+        _long("sp-zero2-fp32-seq2048", "sp", zero2, SP_SEQ_LEN),
+        _long("zero3-fp32-seq2048-no-sp", "deepspeed", zero3, SP_SEQ_LEN),
+    ]
+
+
+def _long(name: str, mode: str, zero: dict[str, Any], seq_len: int) -> dict[str, Any]:
+    """A long-sequence DeepSpeed case: micro-batch 1, torch AdamW, fp32 (``bf16`` off)."""
+    spec = _spec(name, mode, optim="adamw_torch", per_device_train_batch_size=1)
+    spec["seq_len"] = seq_len
+    spec["config"] = {**spec["config"], "max_position_embeddings": max(seq_len, 1024)}
+    spec["deepspeed"] = {"bf16": {"enabled": False}, "zero_optimization": zero}
+    return spec

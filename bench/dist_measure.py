@@ -25,10 +25,13 @@ from hf_memkit._units import MiB  # noqa: E402
 from hf_memkit.testing.groundtruth_dist import measure_distributed_peak  # noqa: E402
 
 
-def measure(only: str | None = None) -> list[dict]:
+def measure(only: str | list[str] | None = None, specs: list[dict] | None = None) -> list[dict]:
+    """Measure ``specs`` (default: ``_dist_cases.cases()``) whose name contains ``only`` (one
+    substring or any of several)."""
     rows = []
-    for spec in cases():
-        if only and only not in spec["name"]:
+    wanted = [only] if isinstance(only, str) else only
+    for spec in specs if specs is not None else cases():
+        if wanted and not any(o in spec["name"] for o in wanted):
             continue
         t0 = time.perf_counter()
         res = measure_distributed_peak({k: v for k, v in spec.items() if k != "name"},

@@ -9,7 +9,6 @@ by ``HF_MEMKIT_DIST_OUT`` for the launcher to gather.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -18,39 +17,10 @@ import time
 from typing import Any
 
 from .._device.rss import alive_cpu_tensor_bytes
+from ._rank_tools import digest, examples, optimizer_bytes, tensor_bytes
 from .groundtruth import close_window, open_window
 from .groundtruth_dist import OUT_ENV
-from .models import build_model, synthetic_examples
-
-
-def _tensor_bytes(t) -> int:
-    """Bytes this rank holds for ``t``: the local shard of a DTensor, else the tensor itself."""
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.numel() * local.element_size()
-
-
-def _optimizer_bytes(optimizer) -> int:
-    import torch
-
-    return sum(_tensor_bytes(v) for st in optimizer.state.values() for v in st.values()
-               if isinstance(v, torch.Tensor))
-
-
-def _digest(tensors) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().float().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def _data(spec: dict[str, Any], config: Any, n: int, seed: int) -> list[dict[str, Any]]:
-    if spec.get("learnable"):
-        from .._run.synthetic import SyntheticTextDataset
-
-        ds = SyntheticTextDataset(vocab_size=config.get_text_config().vocab_size,
-                                  seq_len=spec["seq_len"], num_samples=n, seed=seed)
-        return [ds[i] for i in range(n)]
-    return synthetic_examples(spec, config, n, seed=seed)
+from .models import build_model
 
 
 def _training_args(spec: dict[str, Any], workdir: str, steps: int, **extra):
@@ -75,7 +45,7 @@ def _ddp_bucket_bytes(ddp) -> dict[str, Any]:
         data = ddp._get_ddp_logging_data()
         sizes = [int(x) for x in str(data.get("bucket_sizes", "")).split(",") if x.strip()]
     except Exception:  # private API: fall back to the bytes of every trainable parameter
-        sizes = [sum(_tensor_bytes(p) for p in ddp.module.parameters() if p.requires_grad)]
+        sizes = [sum(tensor_bytes(p) for p in ddp.module.parameters() if p.requires_grad)]
     info["bucket_sizes"] = sizes
     info["bucket_bytes"] = sum(sizes)
     return info
@@ -90,15 +60,15 @@ def _run_ddp(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
     args = _training_args(spec, workdir, steps)
     world, rank = args.world_size, args.process_index
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    data = _data(spec, model.config, per_step * world * (steps + 1), seed=1)
-    initial = _digest(p for p in model.parameters())
+    data = examples(spec, model.config, per_step * world * (steps + 1), seed=1)
+    initial = digest(p for p in model.parameters())
     seen: list[str] = []
     records: list[dict[str, Any]] = []
     extra: dict[str, Any] = {}
 
     def collate(xs):
         batch = {k: torch.stack([x[k] for x in xs]) for k in xs[0]}
-        seen.append(_digest([batch["input_ids"]]))
+        seen.append(digest([batch["input_ids"]]))
         return batch
 
     class Window(transformers.TrainerCallback):
@@ -115,14 +85,14 @@ def _run_ddp(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
             self.hidden = hidden
 
         def on_pre_optimizer_step(self, args, state, control, **kw):
-            self.grad = sum(_tensor_bytes(p.grad) for p in kw["model"].parameters()
+            self.grad = sum(tensor_bytes(p.grad) for p in kw["model"].parameters()
                             if p.grad is not None)
 
         def on_step_end(self, args, state, control, **kw):
             rec = {"step": state.global_step, **close_window(self.open),
                    "bucket_bytes": self.hidden, "grad_bytes": self.grad}
             records.append(rec)
-            extra["optimizer_bytes"] = _optimizer_bytes(kw["optimizer"])
+            extra["optimizer_bytes"] = optimizer_bytes(kw["optimizer"])
 
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
                                    data_collator=collate, callbacks=[Window()])
@@ -135,9 +105,9 @@ def _run_ddp(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
     opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     return {"rank": rank, "world_size": world, "steps": records,
             "losses": losses,
-            "local_param_bytes": sum(_tensor_bytes(p) for p in model.parameters()),
-            "full_param_bytes": sum(_tensor_bytes(p) for p in model.parameters()),
-            "local_buffer_bytes": sum(_tensor_bytes(b) for b in model.buffers()),
+            "local_param_bytes": sum(tensor_bytes(p) for p in model.parameters()),
+            "full_param_bytes": sum(tensor_bytes(p) for p in model.parameters()),
+            "local_buffer_bytes": sum(tensor_bytes(b) for b in model.buffers()),
             "local_grad_bytes": records[-1]["grad_bytes"],
             "local_optimizer_bytes": extra["optimizer_bytes"],
             "optimizer": type(opt).__name__,
@@ -145,7 +115,7 @@ def _run_ddp(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
             "ddp": {**extra["buckets"], "find_unused_parameters": ddp.find_unused_parameters,
                     "wrapper": type(ddp).__name__},
             "param_digest_initial": initial,
-            "param_digest": _digest(p for p in model.parameters()),
+            "param_digest": digest(p for p in model.parameters()),
             "data_digest": seen[0] if seen else None}
 
 
@@ -206,7 +176,7 @@ def _run_fsdp2(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
                    "activation_checkpointing": bool(fs.get("activation_checkpointing", False))}
     bf16 = fs.get("mixed_precision") == "bf16" or bool(spec.get("args", {}).get("bf16"))
     args = _training_args(spec, workdir, steps, fsdp=True, fsdp_config=fsdp_config, bf16=bf16)
-    full_param_bytes = sum(_tensor_bytes(p) for p in model.parameters())
+    full_param_bytes = sum(tensor_bytes(p) for p in model.parameters())
     model, plugin = _fsdp2_prepare(model, args)
     model.train()
     units = [{"module": name or "<root>", "reshard_after_forward": _reshards(m)}
@@ -215,7 +185,7 @@ def _run_fsdp2(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
     optimizer = optim_cls([p for p in model.parameters() if p.requires_grad], **optim_kwargs)
 
     mb, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    data = _data(spec, model.config, mb * accum * steps, seed=1 + rank)
+    data = examples(spec, model.config, mb * accum * steps, seed=1 + rank)
     batches = [{k: torch.stack([x[k] for x in data[i:i + mb]]) for k in data[0]}
                for i in range(0, len(data), mb)]
     records: list[dict[str, Any]] = []
@@ -232,25 +202,25 @@ def _run_fsdp2(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
             total += loss.detach()
         if args.max_grad_norm and args.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        grad_bytes = sum(_tensor_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+        grad_bytes = sum(tensor_bytes(p.grad) for p in model.parameters() if p.grad is not None)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         records.append({"step": step + 1, **close_window(opened), "grad_bytes": grad_bytes})
         del loss, batch
         dist.all_reduce(total)
         losses.append(float(total) / world)
-    local_params = sum(_tensor_bytes(p) for p in model.parameters())
+    local_params = sum(tensor_bytes(p) for p in model.parameters())
     return {"rank": rank, "world_size": world, "steps": records, "losses": losses,
             "local_param_bytes": local_params, "full_param_bytes": full_param_bytes,
-            "local_buffer_bytes": sum(_tensor_bytes(b) for b in model.buffers()),
+            "local_buffer_bytes": sum(tensor_bytes(b) for b in model.buffers()),
             "local_grad_bytes": grad_bytes,
-            "local_optimizer_bytes": _optimizer_bytes(optimizer),
+            "local_optimizer_bytes": optimizer_bytes(optimizer),
             "optimizer": optim_cls.__name__, "optimizer_impl": _adam_impl(optimizer),
             "fsdp": {"units": units, "mixed_precision": args.mixed_precision,
                      "mp_policy": repr(plugin.mixed_precision_policy),
                      "offload_policy": repr(plugin.cpu_offload),
                      "param_dtype": str(next(model.parameters()).dtype)},
-            "data_digest": _digest([batches[0]["input_ids"]])}
+            "data_digest": digest([batches[0]["input_ids"]])}
 
 
 def _run_deepspeed(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
@@ -273,11 +243,11 @@ def _run_deepspeed(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
                train_batch_size=mb * accum * world)
     cfg.setdefault("gradient_clipping", float(a.get("max_grad_norm", 1.0)))  # the Trainer's
     model = build_model(spec, workdir)
-    full_param_bytes = sum(_tensor_bytes(p) for p in model.parameters())
+    full_param_bytes = sum(tensor_bytes(p) for p in model.parameters())
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                   lr=float(a.get("learning_rate", 1e-3)), foreach=False)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
-    data = _data(spec, model.config, mb * accum * steps, seed=1 + rank)
+    data = examples(spec, model.config, mb * accum * steps, seed=1 + rank)
     batches = [{k: torch.stack([x[k] for x in data[i:i + mb]]) for k in data[0]}
                for i in range(0, len(data), mb)]
     records: list[dict[str, Any]] = []
@@ -297,9 +267,9 @@ def _run_deepspeed(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
         losses.append(float(total) / world)
     return {"rank": rank, "world_size": world, "steps": records, "losses": losses,
             "full_param_bytes": full_param_bytes,
-            "local_param_bytes": sum(_tensor_bytes(p) for p in engine.module.parameters()),
+            "local_param_bytes": sum(tensor_bytes(p) for p in engine.module.parameters()),
             "deepspeed": {"stage": engine.zero_optimization_stage(), "config": cfg},
-            "data_digest": _digest([batches[0]["input_ids"]])}
+            "data_digest": digest([batches[0]["input_ids"]])}
 
 
 def _rank_main(spec: dict[str, Any]) -> dict[str, Any]:
@@ -309,7 +279,10 @@ def _rank_main(spec: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError("MALLOC_MMAP_THRESHOLD_=65536 must be set when the process starts")
     with tempfile.TemporaryDirectory() as workdir:
         t0 = time.perf_counter()
-        run = {"ddp": _run_ddp, "fsdp2": _run_fsdp2, "deepspeed": _run_deepspeed}[spec["mode"]]
+        from ._parallel_worker import run_sp, run_tp
+
+        run = {"ddp": _run_ddp, "fsdp2": _run_fsdp2, "deepspeed": _run_deepspeed,
+               "tp": run_tp, "sp": run_sp}[spec["mode"]]
         result = run(spec, workdir)
         result["seconds"] = time.perf_counter() - t0
     steady = [r for r in result["steps"] if r["step"] >= 2] or result["steps"]

@@ -50,6 +50,13 @@ Modes (``spec["mode"]``):
         ``clip_grad_norm_(max_grad_norm)`` when > 0, ``optimizer.step()``,
         ``zero_grad(set_to_none=True)``. The learning rate is constant (a schedule holds no memory).
 
+``"tp"``, ``"sp"``
+    Tensor parallelism (transformers' ``DistributedConfig(tp_size=N)``, the Trainer's steps) and
+    DeepSpeed Ulysses sequence parallelism (the real Trainer): see
+    :mod:`hf_memkit.testing._parallel_worker`, which also records why context parallelism has no
+    mode (torch 2.13 has no CP rule for the CPU SDPA kernel). Modes ``"sp"`` and ``"deepspeed"``
+    need ``spec["deepspeed"]``.
+
 FSDP through the Trainer needs CUDA: on CPU, accelerate's ``AcceleratorState`` only keeps an
 ``fsdp_plugin`` for GPU-like distributed types, so ``Trainer(args=TrainingArguments(fsdp=True,
 fsdp_config=..., use_cpu=True))`` under torchrun silently trains plain DDP on full replicas
@@ -73,7 +80,7 @@ import sys
 import tempfile
 from typing import Any
 
-_MODES = ("ddp", "fsdp2", "deepspeed")
+_MODES = ("ddp", "fsdp2", "deepspeed", "tp", "sp")
 # the folder each rank writes its pid<rank> and rank<rank>.json into
 OUT_ENV = "HF_MEMKIT_DIST_OUT"
 WORKER_MODULE = "hf_memkit.testing._dist_worker"
@@ -83,13 +90,13 @@ def measure_distributed_peak(spec: dict[str, Any], *, nproc: int = 2,
                              timeout: float = 600.0) -> dict[str, Any]:
     """Train ``nproc`` gloo ranks on this CPU under torchrun; return each rank's measured peak.
 
-    ``spec``: ``mode`` ("ddp" | "fsdp2"), ``config`` (``PretrainedConfig.to_dict()``),
-    ``seq_len``, optional ``steps`` (3; steady steps are ``>= 2``), ``task`` ("causal-lm"),
-    ``dtype`` ("float32"), ``attn_implementation``, ``learnable`` (False: random tokens; True:
-    counting sequences a model can learn), ``args`` (TrainingArguments fields:
-    ``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``optim``,
-    ``learning_rate``, ``max_grad_norm``, ``bf16``, ...). ``micro_batch`` is accepted as a
-    shorthand for ``per_device_train_batch_size``. For ``"fsdp2"`` also ``fsdp``:
+    ``spec``: ``mode`` ("ddp" | "fsdp2" | "deepspeed" | "tp" | "sp"), ``config``
+    (``PretrainedConfig.to_dict()``), ``seq_len``, optional ``steps`` (3; steady steps are
+    ``>= 2``), ``task`` ("causal-lm"), ``dtype`` ("float32"), ``attn_implementation``,
+    ``learnable`` (False: random tokens; True: counting sequences a model can learn), ``args``
+    (TrainingArguments fields: ``per_device_train_batch_size``, ``gradient_accumulation_steps``,
+    ``optim``, ``learning_rate``, ``max_grad_norm``, ``bf16``, ...). ``micro_batch`` is accepted
+    as a shorthand for ``per_device_train_batch_size``. For ``"fsdp2"`` also ``fsdp``:
     ``reshard_after_forward`` (True), ``offload`` (False), ``mixed_precision`` (None | "bf16"),
     ``activation_checkpointing`` (False), ``transformer_layer_cls_to_wrap`` (the model's
     ``_no_split_modules``).
@@ -192,6 +199,16 @@ def _check_spec(spec: dict[str, Any], nproc: int) -> None:
     if spec.get("mode") == "deepspeed" and not isinstance(spec.get("deepspeed"), dict):
         problems.append("mode='deepspeed' needs `deepspeed`: a DeepSpeed config dict (its "
                         "zero_optimization, bf16 and bucket sizes; batch sizes are filled in)")
+    if spec.get("mode") == "sp" and not isinstance(spec.get("deepspeed"), dict):
+        problems.append("mode='sp' needs `deepspeed`: a DeepSpeed config dict (Ulysses runs "
+                        "under DeepSpeed; batch sizes and clipping are the Trainer's 'auto')")
+    if spec.get("mode") == "sp" and isinstance(nproc, int) and nproc > 0 and isinstance(
+            spec.get("seq_len"), int) and spec["seq_len"] % nproc:
+        problems.append(f"mode='sp' shards the sequence: seq_len {spec['seq_len']} must be a "
+                        f"multiple of nproc {nproc}")
+    if spec.get("mode") == "sp" and (spec.get("args") or {}).get("bf16"):
+        problems.append("mode='sp' runs the Trainer without use_cpu (Ulysses needs it), and "
+                        "TrainingArguments(bf16=True) refuses a CPU-only machine without use_cpu")
     if spec.get("mode") == "ddp" and spec.get("fsdp"):
         problems.append("`fsdp` options need mode='fsdp2'")
     unknown = set(spec.get("fsdp") or {}) - {"reshard_after_forward", "offload", "mixed_precision",
