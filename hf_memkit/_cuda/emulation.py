@@ -29,7 +29,9 @@ from typing import Any
 
 import torch
 
+from .._errors import HfMemkitError
 from .autocast import cast_eligible, cuda_autocast
+from .collectives import SequenceSplit, around_attention
 from .sdpa import SdpaCall, sdpa_kernel
 from .target import CudaTarget
 
@@ -49,8 +51,15 @@ class _FusedAttention(torch.autograd.Function):
     statistics and grad-q accumulator)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, kernel, dropout, causal, scale, grad):  # noqa: D102
+    def forward(ctx, q, k, v, mask, kernel, dropout, causal, scale, grad,  # noqa: D102
+                split=None):
         aten = torch.ops.aten
+        fwd, ctx.split_backward, keep = split.attention_bytes(
+            tuple(q.shape), k.shape[1], q.element_size()) if split is not None else (0, 0, 0)
+        # a split sequence's buffers (_cuda.collectives): alive while the kernel runs, and
+        # what the attention saves beyond the local kernel's own
+        in_flight = torch.empty(fwd, dtype=torch.uint8) if fwd else None
+        kept = torch.empty(keep, dtype=torch.uint8) if keep else None
         if kernel == "flash":
             outs = aten._scaled_dot_product_flash_attention(q, k, v, dropout, causal, False,
                                                             scale=scale)
@@ -64,7 +73,8 @@ class _FusedAttention(torch.autograd.Function):
                                                             causal, False, scale=scale)
             saved = (outs[0], outs[1], outs[6], outs[7])
         ctx.kernel = kernel
-        ctx.save_for_backward(q, k, v, mask, *saved)
+        del in_flight
+        ctx.save_for_backward(q, k, v, mask, *saved, kept)
         return saved[0]
 
     @staticmethod
@@ -79,6 +89,8 @@ class _FusedAttention(torch.autograd.Function):
                                      dtype=torch.float32))
         if k.shape[1] != h:
             temps += [torch.empty(b, k.shape[2], h, d, dtype=k.dtype) for _ in range(2)]
+        if ctx.split_backward:
+            temps.append(torch.empty(ctx.split_backward, dtype=torch.uint8))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dmask = None
         if ctx.kernel == "efficient" and ctx.needs_input_grad[3]:
@@ -87,7 +99,7 @@ class _FusedAttention(torch.autograd.Function):
             dmask = torch.empty(*mask.shape[:-1], _round_up(mask.shape[-1], 16),
                                 dtype=mask.dtype)[..., :mask.shape[-1]]
         del temps
-        return dq, dk, dv, dmask, None, None, None, None, None
+        return dq, dk, dv, dmask, None, None, None, None, None, None
 
 
 def _bool_mask_to_float(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -134,8 +146,9 @@ class CudaOps:
     time by transformers and ``nn.Dropout``; a patch, unlike a TorchFunctionMode, also holds
     during checkpoint recomputation inside the backward)."""
 
-    def __init__(self, target: CudaTarget):
+    def __init__(self, target: CudaTarget, split: SequenceSplit | None = None):
         self.target = target
+        self.split = split             # the sequence split over ranks (CP / SP), if any
         self.kernels: list[str] = []   # the kernel of each SDPA call, in order
         self.dropout = False           # CUDA's fused dropout ran (0 < p < 1, training)
 
@@ -165,6 +178,13 @@ class CudaOps:
                             bool(is_causal), bool(enable_gqa), grad, unit)
             kernel = sdpa_kernel(self.target, call)
             self.kernels.append(kernel)
+            if kernel == "math" and self.split is not None:
+                raise HfMemkitError(
+                    f"{'context' if self.split.kind == 'ring' else 'sequence'} parallelism needs "
+                    "CUDA's flash, memory-efficient or cuDNN attention, but this call "
+                    f"({call.dtype}, head size {call.head_dim}, mask "
+                    f"{'given' if call.has_mask else 'none'}) takes the math kernel on this GPU; "
+                    "use bf16/fp16 and no attention mask")
             if kernel == "math":
                 return _math_attention(q, k, v, attn_mask, dropout_p, is_causal, scale,
                                        enable_gqa)
@@ -176,7 +196,7 @@ class CudaOps:
                     attn_mask = torch.nn.functional.pad(
                         attn_mask, (0, 16 - s_k % 16))[..., :s_k]
             return _FusedAttention.apply(q, k, v, attn_mask, kernel, float(dropout_p),
-                                         bool(is_causal), scale, grad)
+                                         bool(is_causal), scale, grad, self.split)
 
 
     def _dropout(self, input, p=0.5, training=True, inplace=False):  # noqa: A002 - F.dropout's
@@ -189,10 +209,13 @@ class CudaOps:
 
 
 @contextlib.contextmanager
-def emulate_cuda(target: CudaTarget | None) -> Iterator[CudaOps | None]:
-    """Trace as ``target`` runs (None: this CPU, unchanged)."""
+def emulate_cuda(target: CudaTarget | None,
+                 split: SequenceSplit | None = None) -> Iterator[CudaOps | None]:
+    """Trace as ``target`` runs (None: this CPU, unchanged); ``split``: each attention call is
+    one rank's share of a sequence split over ranks (``_cuda.collectives``)."""
     if target is None:
-        yield None
+        with around_attention(split) if split is not None else contextlib.nullcontext():
+            yield None
         return
-    with cuda_autocast(), CudaOps(target) as ops:
+    with cuda_autocast(), CudaOps(target, split) as ops:
         yield ops

@@ -40,6 +40,7 @@ class Sharding:
     allgather_bucket: int = 0            # DeepSpeed allgather_bucket_size (ZeRO-1/2)
     prefetch_bucket: int = 0             # DeepSpeed stage3_prefetch_bucket_size
     max_live: int = 0                    # DeepSpeed stage3_max_live_parameters
+    replicas: int = 1                    # HSDP: replicas of the sharded group (dp_replicate)
 
     def label(self) -> str:
         return ENGINES.get(self.engine).label(self)
@@ -63,6 +64,7 @@ class RankStates:
     accum_gradients: int | None = None  # gradients held between micro-steps (None: = gradients)
     buckets: int = 0               # persistent communication buffers (DDP buckets, DS buckets)
     host: int = 0                  # bytes moved to CPU memory by offload
+    resident_gradients: bool = False  # the gradient shards are one buffer allocated at start
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -116,6 +118,8 @@ class Rung:
     shards_4bit: bool = False             # a 4-bit base (float quant storage) shards too
     precisions: tuple[str, ...] | None = None  # None: any precision
     replica: bool = False                 # every rank holds a full replica (DDP)
+    cp: int = 1                           # context parallelism: ranks one sequence is split over
+    cp_comm: str = "allgather"            # ... and how its ring attention rotates key/value
 
     @property
     def offload(self) -> bool:

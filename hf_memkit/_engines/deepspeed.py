@@ -100,7 +100,9 @@ class DeepSpeed(Engine):
         half = sh.mixed_precision
         p = 2 if half else sizes.load_itemsize
         psi = sizes.weight_bytes // max(1, sizes.load_itemsize)  # elements (incl. buffers)
-        master = 4 * t if half else 0                    # fp32 master weights
+        # fp32 master partitions: ZeRO-1/2/3 keep them apart from the parameters even in fp32
+        # (stage3 _create_fp32_partitions; stage_1_and_2 single_partition_of_fp32_groups)
+        master = 4 * t if half or stage >= 1 else 0
         g16 = p * t                                      # gradients in the training dtype
         g32 = (4 * t if stage < 3 else 2 * t) if half else 0  # fp32 gradient partitions
         params16 = p * psi
@@ -118,6 +120,10 @@ class DeepSpeed(Engine):
         tr = sizes.optimizer_transient
         r = RankStates(w, g, o, base.ceil_div(tr, n) if stage >= 1 else tr)
         r.buckets = (sh.reduce_bucket + sh.allgather_bucket + sh.prefetch_bucket) * p
+        if stage == 3 and not sh.offload_optimizer:
+            # _setup_for_real_optimizer allocates every gradient partition as one flat buffer
+            # (grad_partitions_flat_buffer) before the first step: alive in every phase
+            r.resident_gradients = True
         if stage == 3:
             # gathered parameters stay resident up to stage3_max_live_parameters before
             # DeepSpeed releases them: beyond the estimator's two copies of the largest module

@@ -157,7 +157,8 @@ class FSDP(Engine):
 
     def label(self, sh: Sharding) -> str:
         kind = "full shard" if sh.stage == 3 else "shard-grad-op"
-        return f"FSDP2 {kind} x{sh.world_size}{base.offload_suffix(sh)}"
+        hsdp = f" (HSDP: {sh.replicas} replicas)" if sh.replicas > 1 else ""
+        return f"FSDP2 {kind} x{sh.world_size}{hsdp}{base.offload_suffix(sh)}"
 
     def rungs(self) -> list[Rung]:
         return list(RUNGS)
@@ -247,11 +248,19 @@ class FSDP(Engine):
             sh, ctx.layer_class, checkpointing=ctx.checkpointing)}
         if ctx.grad_accum > 1:  # reduce-scatter every micro-step: no unsharded gradients kept
             out["accelerator_config"] = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
+        if rung.cp > 1:  # accelerate's ParallelismConfig fields (Plan builds the object)
+            out["parallelism_config"] = {"dp_shard_size": ctx.ranks // rung.cp,
+                                         "cp_size": rung.cp, "cp_comm_strategy": rung.cp_comm}
         return out
 
     def check_emitted(self, ta: dict[str, Any], sh: Sharding, notes: list[str]) -> None:
         notes.append(f"{sh.label()}: a replica does not fit one GPU; launch with accelerate or "
                      "torchrun (FSDP through the Trainer needs CUDA)")
+        if ta.get("activation_checkpointing") or ta.get("gradient_checkpointing"):
+            notes.append("checkpointing through the Trainer, not fsdp_config: its offload of each "
+                         "layer's input to host memory is the Trainer's (activation_checkpointing_"
+                         "kwargs); transformers warns that the recompute all-gathers each layer "
+                         "once more")
         if ta.get("accelerator_config"):
             notes.append("sync_each_batch=True: gradients are reduce-scattered every "
                          "micro-step, so accumulation never holds unsharded gradients")
@@ -260,7 +269,11 @@ class FSDP(Engine):
         return {"fsdp_plugin": fsdp_plugin_args(ta["fsdp_config"])} if "fsdp_config" in ta else {}
 
     def comm_bytes_per_step(self, sh: Sharding, **kw: Any) -> float:
-        return base.gather_scatter_bytes(sh, **kw)
+        vol = base.gather_scatter_bytes(sh, **kw)
+        if sh.replicas > 1:  # HSDP: the gradient shards are all-reduced across the replicas
+            b = 2 if kw["mixed_precision"] else 4
+            vol += 2 * (sh.replicas - 1) / sh.replicas * kw["n_trainable"] / sh.world_size * b
+        return vol
 
     def step_overhead(self, sh: Sharding, **kw: Any) -> float:
         return base.gather_overhead(sh, **kw)

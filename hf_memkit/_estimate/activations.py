@@ -162,7 +162,8 @@ def _trace_excess(spec: ModelSpec, setup: TrainingSetup, *, seq_len: int, stage:
               target_len=target_len, padded=padded or shape.padded,
               hooks=technique_hooks(setup), forward_only=forward_only, target=target,
               trainer=kind.step(options),
-              reference=kind.reference(options, spec.lora is not None), packed=shape.packed)
+              reference=kind.reference(options, spec.lora is not None), packed=shape.packed,
+              split=setup.sequence_split())
 
     def excess(n: int):
         cfg = spec.config if n == full else with_layers(spec.config, n)

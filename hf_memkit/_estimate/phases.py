@@ -37,6 +37,7 @@ from .._units import format_bytes
 from .activations import Excess, TraceCache, trace_excess
 from .budget import backend_notes
 from .device import device_terms
+from .parallel import rank_view
 from .result import MemoryEstimate
 from .rollout import colocated_tenant, rollout_notes, rollout_phases
 
@@ -88,9 +89,13 @@ def states_for(spec: ModelSpec, setup: TrainingSetup,
         master, OptimizerContext(device_kind=dev.kind, optim_args=setup.optim_args))
     held = master if engine.holds_masters else trainable
     parts = spec.weight_parts()
+    # tensor parallelism: the vocab-split input embedding's gradient is a Replicate DTensor of
+    # the whole table on every rank (measured: _parallel_worker's TP runs)
+    whole_table = sum(p.nbytes * (spec.tp - 1) for p in held if p.embedding)
     sizes = StateSizes(weights + sum(m.nbytes - p.nbytes for m, p in zip(held, trainable,
                                                                          strict=True)),
-                       sum(p.nbytes for p in held), sum(p.numel for p in trainable), om.state,
+                       sum(p.nbytes for p in held) + whole_table,
+                       sum(p.numel for p in trainable), om.state,
                        om.transient, spec.dtype.itemsize, buffers=parts.buffers,
                        packed_4bit=parts.packed_4bit, quant_constants=parts.quant_constants,
                        storage_floating=parts.storage_floating,
@@ -170,6 +175,8 @@ def _train_phases(ex: Excess, xp: dict[str, int], rs: RankStates) -> dict[str, i
     gf, gb, gbuf = rs.gathered_forward, rs.gathered_backward, rs.grad_buffers
     G_acc = G if rs.accum_gradients is None else rs.accum_gradients
     base = W + ex.inputs + O + B
+    if rs.resident_gradients:  # in every phase already
+        base, G, G_acc = base + G, 0, 0
     phases = {"forward": base + gf + xp["forward"]}
     if "backward" in xp:  # (a forward-only probe has none: its phases bound the step below)
         phases["backward"] = base + gb + gbuf + xp["backward"]
@@ -190,6 +197,8 @@ def _step(spec: ModelSpec, trace_spec: ModelSpec, setup: TrainingSetup, ex: Exce
         if trace_spec is not spec else sum(p.nbytes for p in trainable)
     sharded = setup.engine.grads_sharded(setup.sharding)
     grad_factor = rs.gradients / traced_total if sharded and traced_total else 1.0
+    if rs.resident_gradients:  # a buffer alive from the start (in base), not grown by backward
+        grad_factor = 0.0
     if sharded:
         for key in ("backward", "backward_accum"):
             if key in xp:
@@ -251,6 +260,8 @@ def _breakdown(step: _Step, phase: str) -> dict[str, int]:
     cats = ex.categories.get(TRACE_PHASE.get(phase, ""), {})
     grads_now = {"optimizer step": rs.gradients, "forward (accumulating)": step.G_acc,
                  "backward (accumulating)": step.G_acc}.get(phase, 0)
+    if rs.resident_gradients:
+        grads_now = rs.gradients
     if phase.startswith("backward"):
         grads_now += rs.grad_buffers
     if phase in ("forward", "backward", "eval forward"):
@@ -267,6 +278,14 @@ def _breakdown(step: _Step, phase: str) -> dict[str, int]:
         parts["activations"] += parts["temporaries"]
         parts["temporaries"] = 0
     return parts
+
+
+def _reference_note(ref: tuple[int, int]) -> list[str]:
+    if not (ref[0] or ref[1]):
+        return []
+    return [f"the reference model: a frozen copy, {format_bytes(ref[0])} held on this rank" +
+            (f" and {format_bytes(ref[1])} gathered for its forward" if ref[1] else "") +
+            " (precompute_ref_log_probs=True or a PEFT policy frees it)"]
 
 
 def emulation_acts(spec: ModelSpec, setup: TrainingSetup, ex: Excess) -> bool:
@@ -327,19 +346,18 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
     if cast is not spec:
         notes.append(setup.trainer_kind.adapter_note(cast.lora.adapter_dtype))
         spec = cast
+    view = rank_view(spec, setup, seq_len, dev.kind, padded)  # TP / CP / SP: one rank's share
+    spec, notes = view.spec, notes + view.notes
     rs, om = states_for(spec, setup, dev)
     if stage == "forward_backward":
         rs = dataclasses.replace(rs, optimizer=0, optimizer_transient=0)
         om = dataclasses.replace(om, state=0, transient=0, paged=0, paged_resident=0)
     notes += _state_notes(setup, rs, om, dev)
     ref = reference_share(spec, setup)
-    if ref[0] or ref[1]:
-        notes.append(f"the reference model: a frozen copy, {format_bytes(ref[0])} held on this "
-                     "rank" + (f" and {format_bytes(ref[1])} gathered for its forward"
-                               if ref[1] else "") +
-                     " (precompute_ref_log_probs=True or a PEFT policy frees it)")
+    notes += _reference_note(ref)
     trace_spec, trace_setup = trace_variant(spec, setup)
-    kw = dict(seq_len=seq_len, stage=stage, target_len=target_len, padded=padded, target=target)
+    kw = dict(seq_len=view.seq_len, stage=stage, target_len=target_len, padded=padded,
+              target=target)
     if cache is None:
         ex = trace_excess(trace_spec, trace_setup, **kw)
     elif probe:
@@ -349,6 +367,7 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
     # QLoRA's dequantisation temporaries are traced (_trace.SimLinear4bit); an 8-bit base is
     # traced as frozen linears of the load dtype.
     step = _step(spec, trace_spec, setup, ex, rs, stage, ref)
+    view.add_to(step.phases)  # tensor parallelism's collectives, the CP mask (``parallel``)
     if stage == "eval":
         notes += _eval_logits_note(spec, setup, seq_len, target_len)
     rollout = rollout_phases(trace_spec, trace_setup, rs, seq_len=seq_len, held=ref[0],
@@ -359,7 +378,7 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
     parts = rollout[phase].parts if phase in rollout else _breakdown(step, phase)
     phase_ex, phase_stage = (rollout[phase].excess, "eval") if phase in rollout else (ex, stage)
     terms = device_terms(dev, step.phases[phase], parts, om, runtime,
-                         setup.sharding.world_size, ex=phase_ex, spec=trace_spec,
+                         setup.parallel.total, ex=phase_ex, spec=trace_spec,
                          stage=phase_stage,
                          micro_steps=min(setup.grad_accum, 2) if phase_stage == "train" else 1,
                          model_states=rs.model_states, weights=rs.weights,
@@ -382,7 +401,7 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
         device=dev, setup=setup, seq_len=seq_len, uncertainty=rel, notes=notes,
         trace_seconds=ex.seconds, traced_layers=ex.layers, model_states=int(rs.model_states),
         host_offloaded=int(rs.host) + ex.host + technique_host_bytes(
-            spec, setup, seq_len, device_kind=dev.kind, stage=stage),
+            spec, setup, view.seq_len, device_kind=dev.kind, stage=stage),
         lower_bound=ex.lower_bound, cuda_version=runtime.version if runtime else None,
         margin=terms.margin, required=int(terms.required), margin_terms=_shares(terms),
         phase_peaks={k: int(v) for k, v in step.phases.items()},

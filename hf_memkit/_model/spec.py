@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,9 @@ class ModelSpec:
     # bnb_4bit_quant_storage: the dtype the packed 4-bit weights are stored in (None: uint8,
     # bitsandbytes' default). A floating storage lets FSDP shard them (FSDP-QLoRA).
     quant_storage: torch.dtype | None = None
+    # tensor parallelism: this is one rank's model of ``tp`` (``_model.tensor_parallel``); the
+    # modules of the class's ``_tp_plan`` (the head: ``colwise_gather_output``) hold 1/tp rows
+    tp: int = 1
     _states: tuple[int, list[ParamInfo]] | None = field(default=None, init=False, repr=False)
     _parts: WeightParts | None = field(default=None, init=False, repr=False)
     _facts: ModelFacts | None = field(default=None, init=False, repr=False)
@@ -94,7 +98,7 @@ class ModelSpec:
             self._identity = (self.model_cls, self.config.to_json_string(use_diff=False),
                               self.task, self.dtype, self.attn_implementation,
                               lora_identity(self.lora),
-                              self.quant_bits)
+                              self.quant_bits, self.tp)
         return self._identity
 
     def in_dtype(self, dtype: torch.dtype) -> ModelSpec:
@@ -115,6 +119,19 @@ class ModelSpec:
             cast_adapters(meta, dtype)
             self._variants[key] = dataclasses.replace(
                 self, lora=dataclasses.replace(self.lora, adapter_dtype=dtype), meta=meta)
+        return self._variants[key]
+
+    def narrowed(self, config: PretrainedConfig, tp: int) -> ModelSpec:
+        """One rank's model under tensor parallelism of degree ``tp``: ``config`` is the model's
+        with each rank's heads and MLP width (``_model.tensor_parallel``); memoised, with a meta
+        model of its own (adapters as this spec's)."""
+        key = ("tp", tp)
+        if key not in self._variants:
+            meta = _meta_model(self.model_cls, config, self.dtype, self.attn_implementation,
+                               self.lora.peft_config if self.lora is not None else None)
+            if self.lora is not None:
+                cast_adapters(meta, self.lora.adapter_dtype)
+            self._variants[key] = dataclasses.replace(self, config=config, meta=meta, tp=tp)
         return self._variants[key]
 
     def positions_warning(self, seq_len: int, seq_name: str = "seq_len") -> str | None:
@@ -328,13 +345,30 @@ def _model_states(spec: ModelSpec) -> tuple[int, list[ParamInfo]]:
     # by the weight's name in named_parameters() (transformers _setup_low_rank_optimizer)
     linears = {f"{n}.weight": n for n, m in spec.meta.named_modules()
                if isinstance(m, torch.nn.Linear)}
+    split = _vocab_split(spec)
     trainable: list[ParamInfo] = []
     for name, p in spec.meta.named_parameters():
         if id(p) in quantized:
             continue
-        weights += logical_numel(p) * p.element_size()
+        shape, div = tuple(p.shape), spec.tp if id(p) in split else 1
+        if div > 1:   # one rank's rows of a head the tp plan splits by vocabulary
+            shape = (-(-shape[0] // div), *shape[1:])
+        numel = logical_numel(p) if div == 1 else math.prod(shape)
+        weights += numel * p.element_size()
         if p.requires_grad:
-            trainable.append(ParamInfo(p.numel(), tuple(p.shape), p.element_size(),
+            trainable.append(ParamInfo(math.prod(shape), shape, p.element_size(),
                                        embedding=id(p) in embeddings, linear=linears.get(name)))
     weights += sum(b.numel() * b.element_size() for b in spec.meta.buffers())
     return weights, trainable
+
+
+def _vocab_split(spec: ModelSpec) -> set[int]:
+    """Ids of the weights tensor parallelism splits by vocabulary rows outside the layers: the
+    modules of the class's ``_tp_plan`` (transformers: ``{"lm_head": "colwise_gather_output"}``)
+    and the input embedding, which transformers adds to every plan as ``embedding_rowwise``
+    (``distributed/mixin.py::init_parallel_plans``); a tied pair is one weight, split once."""
+    if spec.tp <= 1:
+        return set()
+    heads = (*(getattr(spec.model_cls, "_tp_plan", None) or {}), "embed_tokens")
+    return {id(p) for n, p in spec.meta.named_parameters()
+            if any(n == f"{h}.weight" or n.endswith(f".{h}.weight") for h in heads)}

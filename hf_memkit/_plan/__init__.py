@@ -37,6 +37,7 @@ from .reverse import max_batch_size, max_seq_len
 from .rl import plan_beside_vllm
 from .rungs import ladder_savings
 from .search import Search
+from .sequence import plan_split
 from .space import Candidate, SpecBook, attention, candidates
 
 
@@ -83,7 +84,7 @@ def _finish(s: Search, cands: list[Candidate], chosen: Candidate) -> Plan:
         if c.rel_time is not None:
             c.rel_time = c.rel_time / base_time
     spec, peft_cfg, quant = s.book.get(chosen.method, chosen.precision)
-    attn, attn_why = attention(s.book.base, req.dev, chosen.precision)
+    attn, attn_why = attention(s.book.base, req.dev, chosen.precision, req.cp)
     notes = s.notes + [f"attention: {attn} ({attn_why})"]
     method = METHODS.get(chosen.method)
     if method.note:
@@ -99,7 +100,7 @@ def _finish(s: Search, cands: list[Candidate], chosen: Candidate) -> Plan:
                      f"(max_length=None): truncate them to {req.seq_len} tokens beforehand")
     if chosen.micro_batch < req.per_rank:
         notes.append(f"micro-batch {chosen.micro_batch} x {chosen.grad_accum} accumulation steps "
-                     f"x {req.ranks} rank(s) = {req.target_batch_size}")
+                     f"x {req.data_parallel} data-parallel rank(s) = {req.target_batch_size}")
     ta = training_args(chosen, s.ctx, s.eval_batch(chosen))
     parallel = parallel_summary(chosen, ta, s.setup_of(chosen).sharding, req.nodes, notes,
                                 chosen.estimate)
@@ -171,8 +172,17 @@ def plan_training(model: Any, *, seq_len: int | None = None, target_batch_size: 
 
 
 def _plan(req: PlanRequest) -> Plan:
-    s, cands = search_for(req)
-    return _finish(s, cands, s.run(cands))
+    if req.cp == 1 and req.target_batch_size % req.ranks:  # fewer sequences than ranks
+        return plan_split(req, _plan, None)
+    try:
+        s, cands = search_for(req)
+        return _finish(s, cands, s.run(cands))
+    except ConfigError:
+        raise
+    except HfMemkitError as exc:
+        if req.cp > 1 or not req.splits_sequences:
+            raise
+        return plan_split(req, _plan, exc)
 
 
 def _as_given(model: Any) -> tuple[Method, torch.dtype, str]:

@@ -13,7 +13,7 @@ from .._engines import ENGINES, EmitContext, Sharding
 from .._estimate import MemoryEstimate
 from .._methods import METHODS
 from .._optimizers import get_optimizer_profile
-from .._techniques import searched
+from .._techniques import TECHNIQUES, searched
 from .._techniques.checkpointing import NAME as CHECKPOINTING
 from .._units import format_bytes
 from .space import Candidate, rung_of
@@ -55,12 +55,15 @@ def training_args(c: Candidate, ctx: ArgsContext, eval_batch: int | None = None)
         ta["per_device_eval_batch_size"] = eval_batch or c.micro_batch
     rung = rung_of(c.parallel)
     engine = ENGINES.get(rung.engine)
+    # an engine that owns checkpointing (FSDP: fsdp_config) configures it, unless a technique
+    # on top of it (its offload) is the Trainer's own: then the Trainer checkpoints
+    owns = engine.owns_checkpointing and not trainer_checkpointing(c)
     techniques = searched()
     for f in {f for t in techniques for f in t.fields}:
         ta.pop(f, None)
     for t in sorted(techniques, key=lambda t: t.ladder):
         # an engine that owns checkpointing configures it itself (the same memory)
-        owned = t.name == CHECKPOINTING and engine.owns_checkpointing
+        owned = t.name == CHECKPOINTING and owns
         for k, v in t.emit(t.name in c.techniques and not owned, ctx.pins).items():
             # a dict merges into another technique's (offload into checkpointing's kwargs)
             ta[k] = {**ta[k], **v} if isinstance(v, dict) and isinstance(ta.get(k), dict) else v
@@ -68,9 +71,16 @@ def training_args(c: Candidate, ctx: ArgsContext, eval_batch: int | None = None)
         ta.update(padding_free=True, max_length=None)
     ta.update(engine.emit(rung, EmitContext(
         ranks=ctx.ranks, micro_batch=c.micro_batch, grad_accum=c.grad_accum,
-        precision=c.precision, checkpointing=c.checkpointing, hidden=ctx.hidden,
+        precision=c.precision, checkpointing=c.checkpointing and owns, hidden=ctx.hidden,
         layer_class=ctx.layer_class, max_grad_norm=float(ctx.pins.get("max_grad_norm", 1.0)))))
     return ta
+
+
+def trainer_checkpointing(c: Candidate) -> bool:
+    """Whether ``c`` has a technique that builds on the Trainer's own checkpointing (activation
+    offloading: ``activation_checkpointing_kwargs={"offload": True}``), which an engine's
+    checkpointing (FSDP's ``fsdp_config``) cannot carry."""
+    return any(CHECKPOINTING in TECHNIQUES.get(n).requires for n in c.techniques)
 
 
 def model_kwargs(c: Candidate, attn: str, quant: Any, dev: DeviceInfo) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 from .._cuda.runtime import parse_cuda_version
 from .._device.precision import PrecisionIssue, precision_issues
 from .._device.probe import DeviceInfo, probe_device, resolve_device
-from .._engines import engine_choices
+from .._engines import ENGINES, engine_choices
 from .._errors import ConfigError, HfMemkitError, did_you_mean, excerpt, quoted
 from .._estimate.budget import (
     DEFAULT_HEADROOM,
@@ -84,6 +84,8 @@ class PlanRequest:
     cuda_version: str | None = None
     trainer: str | None = None        # a registered trainer (_trainers); None: Trainer
     lengths: Any = None               # _plan.lengths.Lengths: the rows' lengths (SFT)
+    cp: int = 1                       # the planner's context parallelism (_plan.sequence)
+    cp_comm: str = "allgather"        # ... and its ring attention's rotation
 
     # -- derived ------------------------------------------------------------------------------
     @property
@@ -103,8 +105,22 @@ class PlanRequest:
         return self.num_nodes if _positive_int(self.num_nodes) else 1
 
     @property
+    def splits_sequences(self) -> bool:
+        """Whether the planner may split sequences over ranks (context parallelism, FSDP2):
+        several ranks, the Trainer or SFT, no engine or parallelism_config of the user's."""
+        return self.ranks > 1 and self.engine in ("auto", "fsdp") and \
+            (self.trainer or "trainer") in ("trainer", "sft") and \
+            "parallelism_config" not in self.pins and \
+            not any(e.selected(self.pins.get) for e in ENGINES)
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that take different sequences (all of them but for context parallelism)."""
+        return self.ranks // self.cp
+
+    @property
     def per_rank(self) -> int:
-        return self.target_batch_size // self.ranks
+        return self.target_batch_size // self.data_parallel
 
     @cached_property
     def pins(self) -> dict[str, Any]:
@@ -286,7 +302,7 @@ class PlanRequest:
         target, ranks = self.target_batch_size, self.ranks
         if not _positive_int(target):
             return []
-        if target % ranks:
+        if target % ranks and not (ranks % target == 0 and self.splits_sequences):
             lo = target - target % ranks
             valid = [v for v in (lo, lo + ranks) if v > 0]
             return [Problem("target_batch_size",

@@ -13,6 +13,7 @@ import torch
 
 from .._device.probe import DeviceInfo
 from .._engines import ENGINES, Engine, launch_commands
+from .._engines.dims import read_dims
 from .._engines.single import SINGLE
 from .._errors import HfMemkitError
 from .._estimate import MemoryEstimate
@@ -23,12 +24,13 @@ from .._techniques.checkpointing import NAME as CHECKPOINTING
 from .._units import format_bytes
 from . import read
 from . import serialize as ser
+from .emit import trainer_checkpointing
 from .space import Candidate
 
 # TrainingArguments fields whose override re-estimates the plan.
 MEMORY_FIELDS = frozenset({
     "per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16", "optim",
-    "optim_args", "fsdp", "fsdp_config", "deepspeed",
+    "optim_args", "fsdp", "fsdp_config", "deepspeed", "parallelism_config",
     *(f for t in TECHNIQUES for f in t.fields)})
 
 
@@ -93,6 +95,7 @@ class Plan:
         kwargs.update(overrides)
         if MEMORY_FIELDS & set(overrides) and self.chosen.estimate is not None:
             self._warn_if_override_does_not_fit(kwargs)
+        kwargs = _with_objects(kwargs)
         return self._build(lambda: TrainingArguments(**kwargs), TrainingArguments.__name__)
 
     def apply_to(self, args: Any) -> Any:
@@ -126,7 +129,8 @@ class Plan:
                     f"apply_to: {cls.__name__}.{k}={_plain(mine)!r} is replaced by the plan's "
                     f"{_plain(v)!r}; to keep yours, plan with it pinned "
                     f"(plan_training(..., {k}={_plain(mine)!r}))", stacklevel=2)
-        return self._build(lambda: with_fields(args, _rederived(args, planned)), cls.__name__)
+        return self._build(lambda: with_fields(args, _with_objects(_rederived(args, planned))),
+                           cls.__name__)
 
     def _build(self, make: Any, what: str) -> Any:
         """``make()``, with transformers' refusal of the plan on this machine in our words."""
@@ -175,8 +179,10 @@ class Plan:
         LoRA) and the searched techniques (checkpointing: non-reentrant, safe with PEFT)."""
         self.set_attention(model)
         engine = self._engine()
-        # an engine that owns checkpointing (FSDP: fsdp_config) applies it when it wraps
-        owned = {CHECKPOINTING} if engine.owns_checkpointing else set()
+        # an engine that owns checkpointing (FSDP: fsdp_config) applies it when it wraps,
+        # unless the plan's offload needs the Trainer's own (``emit.trainer_checkpointing``)
+        owned = {CHECKPOINTING} if engine.owns_checkpointing and \
+            not trainer_checkpointing(self.chosen) else set()
         ckpt = self.chosen.checkpointing and CHECKPOINTING not in owned
         model = METHODS.get(self.chosen.method).prepare(model, self.peft_config, ckpt)
         for name in self.chosen.techniques:
@@ -188,8 +194,19 @@ class Plan:
         """``accelerate launch`` and ``torchrun`` command lines for this plan's GPUs and nodes.
         (With DeepSpeed, write the config first: ``write_deepspeed_config``.)"""
         engine = self._engine()
-        return launch_commands(script=script, num_gpus=self.num_gpus, num_nodes=self.num_nodes,
-                               engine=engine.name, config_file=engine.config_file)
+        out = launch_commands(script=script, num_gpus=self.num_gpus, num_nodes=self.num_nodes,
+                              engine=engine.name, config_file=engine.config_file)
+        out["accelerate_config"] = ("accelerate launch --config_file accelerate_config.yaml "
+                                    f"{script}  # plan.accelerate_config() written there")
+        return out
+
+    def accelerate_config(self) -> str:
+        """The ``accelerate launch --config_file`` YAML of this plan: processes, precision, the
+        engine's plugin (FSDP2) and ``parallelism_config`` (its degrees), as ``accelerate
+        config`` writes them."""
+        import yaml
+
+        return yaml.safe_dump(ser.accelerate_config(self), sort_keys=False)
 
     def _engine(self) -> Engine:
         return ENGINES.get(self.parallel.get("engine", SINGLE.name))
@@ -307,6 +324,16 @@ def _rederived(args: Any, planned: dict[str, Any]) -> dict[str, Any]:
     if args.steps_per_generation == args.gradient_accumulation_steps:
         out.setdefault("steps_per_generation", None)
     return out
+
+
+def _with_objects(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The plan's JSON-able fields as the Trainer takes them: ``parallelism_config`` as
+    accelerate's ``ParallelismConfig`` (the Trainer hands it to its ``Accelerator``)."""
+    pc = kwargs.get("parallelism_config")
+    if isinstance(pc, dict):
+        dims = read_dims(pc)
+        kwargs = {**kwargs, "parallelism_config": dims.to_accelerate() if dims else None}
+    return kwargs
 
 
 def _plain(v: Any) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,15 +71,31 @@ def max_seq_len(model: Any, args: Any = None, *, device: Any = None,
                 limit: int = 1 << 20, multiple_of: int = 64, **estimate_kwargs: Any) -> int:
     """The longest ``seq_len`` (a multiple of ``multiple_of``, at most ``limit``) whose step
     fits (0 if none): "what context length can I train on this card?". ``headroom`` and
-    ``max_memory`` as in ``max_batch_size``."""
+    ``max_memory`` as in ``max_batch_size``. With ``num_gpus=N`` > 1 and ``args`` that name no
+    engine or ``parallelism_config``: "how long can one sequence be on these GPUs", each split
+    over all N (context parallelism on FSDP2 full shard, lengths a multiple of ``2 x N`` too)."""
     headroom = _check("max_seq_len", limit=limit, multiple_of=multiple_of, headroom=headroom,
                       max_memory=max_memory)
     batch = (dict(args) if isinstance(args, dict) else args)
+    ranks = estimate_kwargs.get("num_gpus")
+    if _positive_int(ranks) and ranks > 1:
+        batch, multiple_of = split_over(batch, ranks, multiple_of)
     probe = _Probe(PlanRequest(device=device, max_memory=max_memory, headroom=headroom))
     found = _search(lambda n, strict: probe.fits(model, batch, None, n * multiple_of,
                                                  estimate_kwargs, strict),
                     limit // multiple_of)
     return found * multiple_of
+
+
+def split_over(args: Any, ranks: int, multiple_of: int) -> tuple[Any, int]:
+    """``args`` with each sequence split over ``ranks`` (FSDP2 full shard + ``cp_size=ranks``)
+    unless they choose an engine or parallel degrees themselves; the length step with it."""
+    a = dict(args or {}) if not hasattr(args, "to_dict") else {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+    if a.get("fsdp") or a.get("deepspeed") or a.get("parallelism_config"):
+        return args, multiple_of
+    a.update(fsdp="full_shard", fsdp_config={"version": 2}, parallelism_config={"cp_size": ranks})
+    return a, math.lcm(multiple_of, 2 * ranks)
 
 
 def _positive_int(v: Any) -> bool:

@@ -32,7 +32,20 @@ PINNED = Rung("pinned", "pinned engine", SINGLE_ENGINE.name)  # the user's own e
 
 
 def rung_of(name: str) -> Rung:
-    return {"single": SINGLE, "pinned": PINNED}.get(name) or all_rungs()[name]
+    base, _, cp = name.partition("+cp")
+    rung = {"single": SINGLE, "pinned": PINNED}.get(base) or all_rungs()[base]
+    if not cp:
+        return rung
+    degree, _, comm = cp.partition("-")
+    return with_cp(rung, int(degree), comm or "allgather")
+
+
+def with_cp(rung: Rung, cp: int, comm: str = "allgather") -> Rung:
+    """``rung`` with each sequence split over ``cp`` ranks (torch ring attention over FSDP2,
+    rotating key/value by ``comm``: accelerate's ``cp_comm_strategy``)."""
+    tail = "" if comm == "allgather" else f"-{comm}"
+    return dataclasses.replace(rung, name=f"{rung.name}+cp{cp}{tail}",
+                               label=f"{rung.label} + CP x{cp} ({comm})", cp=cp, cp_comm=comm)
 
 
 @dataclass
@@ -91,9 +104,12 @@ def precisions(dev: DeviceInfo, pins: dict[str, Any]) -> list[str]:
     return ["fp32"]  # CPU/MPS: AMP rarely speeds up and bf16 is emulated on most CPUs
 
 
-def attention(spec: ModelSpec, dev: DeviceInfo, precision: str) -> tuple[str, str]:
-    """The attention kernel of a setup, and why."""
+def attention(spec: ModelSpec, dev: DeviceInfo, precision: str, cp: int = 1) -> tuple[str, str]:
+    """The attention kernel of a setup, and why (``cp`` > 1: torch's context parallelism,
+    which replaces SDPA only)."""
     cls = spec.model_cls
+    if cp > 1 and getattr(cls, "_supports_sdpa", False):
+        return "sdpa", f"context parallelism x{cp} runs torch ring attention in place of SDPA"
     if (getattr(cls, "_supports_flash_attn", False) and is_flash_attn_available()
             and dev.kind == "cuda" and dev.compute_capability and dev.compute_capability >= (8, 0)
             and precision in ("bf16", "fp16", "pure-bf16")):
@@ -139,7 +155,8 @@ class SpecBook:
             quant = m.quantization_config(dev)
             spec = resolve_model(self._ref, task=self.req.task,
                                  dtype=m.load_dtype(precision, dev),
-                                 attn_implementation=attention(self.base, dev, precision)[0],
+                                 attn_implementation=attention(self.base, dev, precision,
+                                                               self.req.cp)[0],
                                  peft_config=peft_cfg, quantization_config=quant,
                                  meta_cache=self._meta)
             self._specs[key] = (spec, peft_cfg, quant)
@@ -195,6 +212,9 @@ def strategies(req: PlanRequest, method: Method) -> list[Rung]:
         return [PINNED]
     if req.ranks == 1:
         return [SINGLE]
+    if req.cp > 1:  # sequences split over cp ranks: FSDP2 over the dp_shard x cp mesh
+        return [with_cp(r, req.cp, req.cp_comm) for r in ENGINES.get("fsdp").rungs()
+                if r.stage == 3 and method.allows_rung(r)]
     engine = ENGINES.get(req.engine) if req.engine != "auto" else \
         next(e for e in ENGINES if e.default_sharding)
     rungs = [r for e in ENGINES if e.replicates for r in e.rungs()]
@@ -245,13 +265,10 @@ def candidates(req: PlanRequest, methods: list[Method], book: SpecBook,
     out, batching = [], {}
     for meth in methods:
         for rung, precision, optim in _rung_precision_optim(req, meth):
-            attn = attention(book.base, req.dev, precision)[0]
+            attn = attention(book.base, req.dev, precision, req.cp)[0]
             if attn not in batching:
                 batching[attn] = padding_free_choices(req, book.base.model_cls, attn, notes)
-            owned = ENGINES.get(rung.engine).owns_checkpointing
             for on in combos:
-                if owned and any(CHECKPOINTING in TECHNIQUES.get(n).requires for n in on):
-                    continue  # the engine configures checkpointing (and its offload) itself
                 out += [Candidate(meth.name, precision, optim, CHECKPOINTING in on, mb,
                                   req.per_rank // mb, attn, None, parallel=rung.name,
                                   techniques=on, padding_free=pf)

@@ -34,8 +34,9 @@ SETUP_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps",
                 "per_device_eval_batch_size", "bf16", "fp16", "tf32", "optim", "optim_args",
                 "optim_target_modules", "max_grad_norm", "eval_accumulation_steps",
                 "prediction_loss_only")
-# Read by the engines (``Engine.fields``).
-ENGINE_FIELDS = tuple(dict.fromkeys(f for e in ENGINES for f in e.fields))
+# Read by the engines (``Engine.fields``) and with them the run's parallel dimensions.
+ENGINE_FIELDS = tuple(dict.fromkeys([*(f for e in ENGINES for f in e.fields),
+                                     "parallelism_config"]))
 
 CLASSES = ("modelled", "unmodelled", "irrelevant")
 
@@ -96,8 +97,6 @@ UNMODELLED: dict[str, Unmodelled] = {
                                        "given"),
     "full_determinism": Unmodelled("deterministic algorithms and CUBLAS_WORKSPACE_CONFIG change "
                                    "kernels and their workspaces"),
-    "parallelism_config": Unmodelled("tensor / context / sequence parallelism split weights and "
-                                     "activations across ranks"),
     "debug": Unmodelled("the underflow/overflow detector's hooks take abs() of every weight and "
                         "activation (temporaries of their size)"),
     "weight_decay": Unmodelled("torch's foreach SGD / Adagrad / RMSprop add weight decay out of "

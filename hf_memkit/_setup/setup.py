@@ -17,7 +17,8 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from .._engines import ENGINES, Engine, Sharding, sharding_from_args
+from .._cuda.collectives import RING, ULYSSES, SequenceSplit
+from .._engines import ENGINES, Engine, ParallelDims, Sharding, sharding_from_args
 from .._errors import ConfigError, HfMemkitError, did_you_mean
 from .._optimizers import TARGET_MODULES_ARG, get_optimizer_profile
 from .._techniques import TechniqueUse, read_techniques, unmodelled
@@ -31,7 +32,8 @@ from .fields import check_field, config_fields, training_args_fields
 # other field of the setup, so a new field (or technique) is part of the key by construction.
 TRACE_INDEPENDENT = frozenset({
     "micro_batch", "eval_batch", "grad_accum", "optim", "optim_args", "max_grad_norm", "tf32",
-    "eval_accumulation_steps", "prediction_loss_only", "sharding", "unmodelled", "notes"})
+    "eval_accumulation_steps", "prediction_loss_only", "sharding", "parallel", "unmodelled",
+    "notes"})
 PLAIN = TechniqueUse(TRAINER.name)
 
 
@@ -52,6 +54,8 @@ class TrainingSetup:
     techniques: frozenset[TechniqueUse] = field(
         default=frozenset(), metadata={"help": "memory techniques that are on (_techniques)"})
     sharding: Sharding = field(default_factory=Sharding, metadata={"help": "per-rank split"})
+    parallel: ParallelDims = field(default_factory=ParallelDims, metadata={
+        "help": "the run's parallel dimensions (parallelism_config; _engines.dims)"})
     trainer: TechniqueUse = field(default=PLAIN, metadata={
         "help": "the trainer (_trainers) and the options its config sets"})
     unmodelled: tuple[str, ...] = field(default=(), metadata={"help": "warned settings"})
@@ -87,14 +91,26 @@ class TrainingSetup:
         return int(use.option("every_n_layers", 1)) if use else 1
 
     def trace_key(self) -> tuple:
-        """Every field a trace can depend on (all but ``TRACE_INDEPENDENT``), hashable."""
-        return tuple((f.name, frozen(getattr(self, f.name)))
-                     for f in dataclasses.fields(self) if f.name not in TRACE_INDEPENDENT)
+        """Every field a trace can depend on (all but ``TRACE_INDEPENDENT``), hashable; of the
+        parallel dimensions, the sequence split (the trace runs one rank's model and tokens)."""
+        key = tuple((f.name, frozen(getattr(self, f.name)))
+                    for f in dataclasses.fields(self) if f.name not in TRACE_INDEPENDENT)
+        split = self.sequence_split()
+        return key + (("split", split.key()),) if split is not None else key
+
+    def sequence_split(self) -> SequenceSplit | None:
+        """How each attention call shares its sequence with other ranks (CP: torch ring
+        attention; SP: DeepSpeed Ulysses), or None."""
+        p = self.parallel
+        if p.cp > 1:
+            return SequenceSplit(RING, p.cp, p.cp_comm)
+        return SequenceSplit(ULYSSES, p.sp) if p.sp > 1 else None
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["techniques"] = {u.name: dict(u.options) for u in sorted(self.techniques)}
         d["sharding"] = self.sharding.to_dict()
+        d["parallel"] = self.parallel.to_dict()
         d["trainer"] = {"name": self.trainer.name, "options": dict(self.trainer.options)}
         return d
 
@@ -102,6 +118,7 @@ class TrainingSetup:
     def from_dict(cls, d: dict[str, Any]) -> TrainingSetup:
         d = dict(d)
         d["sharding"] = Sharding(**d.get("sharding", {}))
+        d["parallel"] = ParallelDims(**d.get("parallel", {}))
         d["techniques"] = frozenset(TechniqueUse.of(n, o)
                                     for n, o in (d.get("techniques") or {}).items())
         d["unmodelled"] = tuple(d.get("unmodelled", ()))
@@ -227,9 +244,11 @@ def normalize_args(args: TrainingArguments | dict[str, Any] | None, *,
         r.problems.append(str(exc))
     uses = set(kind.adjust(read_techniques(r.explicit(), r.get)))
     num_gpus = _check_num_gpus(num_gpus, r.problems)
-    sharding, sharding_notes = Sharding(), []
+    sharding, dims, sharding_notes = Sharding(), ParallelDims(), []
     try:
-        sharding, sharding_notes = sharding_from_args(r.get, num_gpus)
+        sharding, dims, sharding_notes = sharding_from_args(r.get, num_gpus)
+    except ConfigError as exc:
+        r.problems.extend(exc.problems)
     except HfMemkitError as exc:
         r.problems.append(str(exc))
     if sharding.activation_checkpointing and not any(u.name == CHECKPOINTING for u in uses):
@@ -255,7 +274,7 @@ def normalize_args(args: TrainingArguments | dict[str, Any] | None, *,
         max_grad_norm=float(r.get("max_grad_norm") or 0.0),
         eval_accumulation_steps=int(eval_acc) if eval_acc else None,
         prediction_loss_only=bool(r.get("prediction_loss_only")),
-        techniques=frozenset(uses), sharding=sharding, unmodelled=tuple(warned),
+        techniques=frozenset(uses), sharding=sharding, parallel=dims, unmodelled=tuple(warned),
         notes=tuple(sharding_notes) + tuple(kind.notes(options)),
         trainer=TechniqueUse.of(kind.name, options),
     )

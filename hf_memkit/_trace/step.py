@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from .._compat import quiet_notices
+from .._cuda.collectives import SequenceSplit
 from .._cuda.emulation import emulate_cuda
 from .._cuda.events import EventLog
 from .._cuda.target import CudaTarget
@@ -358,7 +359,7 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
                hooks: Sequence[Callable[..., None]] = (),
                forward_only: bool = False, target: CudaTarget | None = None,
                trainer: Any = None, reference: str | None = None,
-               packed: bool = False) -> TraceResult:
+               packed: bool = False, split: SequenceSplit | None = None) -> TraceResult:
     """Peak bytes of one forward(+loss+backward) of ``config`` on fake tensors.
 
     ``hooks``: the setup's techniques, ``hook(model, stage=, adapters=, target=)`` on the fake
@@ -371,7 +372,9 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
     benchmarks do (shared/anchors note_sdpa_training_benchmark_script). ``trainer``: a
     ``_trainers.TraceStep`` whose loss replaces the model's (TRL's fused head); ``reference``
     "copy": a frozen copy of the model serves as its reference (DPO), held with the weights.
-    ``packed``: padding-free rows (sequence boundaries in ``position_ids``).
+    ``packed``: padding-free rows (sequence boundaries in ``position_ids``). ``split``: the
+    sequence is one rank's share of a longer one (context / sequence parallelism, CUDA targets):
+    each attention call adds what the library allocates around it (``_cuda.collectives``).
     """
     if loss not in ("labels", "logits_sum"):
         raise HfMemkitError(f"loss must be 'labels' or 'logits_sum', got {loss!r}")
@@ -410,7 +413,7 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
         mt = new_tracker(model, all_inputs + ([ref] if ref is not None else []), log, stacks)
         if log is not None:
             log.mark(f"micro{i}")
-        with fm, mt, _unpacked_sequences(packed), emulate_cuda(target) as cuda_ops, \
+        with fm, mt, _unpacked_sequences(packed), emulate_cuda(target, split) as cuda_ops, \
                 trainer.context(target) if trainer is not None else contextlib.nullcontext():
             if stage == "train":
                 train_micro_step(model, batches[i], loss, grad_accum, "_accum" if i else "",

@@ -116,6 +116,8 @@ PUBLISHED = {
     ("Llama-2-7b-hf", None): 6_738_415_616,
     ("Mistral-7B-v0.1", None): 7_241_732_096,
     ("Qwen2.5-7B", None): 7_615_616_512,
+    ("Qwen3-8B", None): 8_190_735_360,
+    ("Qwen3-4B", None): 4_022_468_096,
     ("gpt2", None): 124_439_808,
     ("gpt2-xl", None): 1_557_611_200,
     ("bert-base-uncased", "base"): 109_482_240,

@@ -123,11 +123,18 @@ def test_offload_is_never_tried_on_a_cpu_target_or_against_a_pin():
                if c.checkpointing)
 
 
-def test_fsdp_rungs_leave_offload_to_their_own_config():
+def test_fsdp_rungs_offload_checkpoints_through_the_trainers_checkpointing():
+    """transformers maps no fsdp_config key onto accelerate's checkpoint offload, so an FSDP
+    candidate that offloads checkpoints with the Trainer's own checkpointing (its
+    ``activation_checkpointing_kwargs``), and FSDP's config then leaves checkpointing out."""
+    from hf_memkit._plan.emit import trainer_checkpointing
+
     p = _quiet(mk.plan_training, "Llama-3.1-8B", seq_len=4096, target_batch_size=8,
                device="H100-80GB", num_gpus=8, method="full")
     sharded = [c for c in p.candidates if c.parallel.startswith("fsdp")]
-    assert sharded and not any("checkpoint_offload" in c.techniques for c in sharded)
+    offloading = [c for c in sharded if "checkpoint_offload" in c.techniques]
+    assert offloading and all(trainer_checkpointing(c) for c in offloading)
+    assert not any(trainer_checkpointing(c) for c in sharded if c not in offloading)
 
 
 def test_liger_comes_before_checkpointing(liger_installed):
