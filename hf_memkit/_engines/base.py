@@ -120,6 +120,7 @@ class Rung:
     replica: bool = False                 # every rank holds a full replica (DDP)
     cp: int = 1                           # context parallelism: ranks one sequence is split over
     cp_comm: str = "allgather"            # ... and how its ring attention rotates key/value
+    sp: int = 1                           # sequence parallelism (DeepSpeed Ulysses)
 
     @property
     def offload(self) -> bool:

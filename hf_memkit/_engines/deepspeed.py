@@ -162,7 +162,9 @@ class DeepSpeed(Engine):
     def emit(self, rung: Rung, ctx: EmitContext) -> dict[str, Any]:
         sh = Sharding("deepspeed", ctx.ranks, rung.stage, offload_optimizer=rung.offload_optimizer,
                       offload_params=rung.offload_params)
-        return {"deepspeed": deepspeed_config_for(
+        split = {"parallelism_config": {"sp_size": rung.sp, "sp_backend": "deepspeed"}} \
+            if rung.sp > 1 else {}
+        return {**split, "deepspeed": deepspeed_config_for(
             sh, micro_batch=ctx.micro_batch, grad_accum=ctx.grad_accum, precision=ctx.precision,
             hidden=ctx.hidden, max_grad_norm=ctx.max_grad_norm)}
 

@@ -172,7 +172,7 @@ def plan_training(model: Any, *, seq_len: int | None = None, target_batch_size: 
 
 
 def _plan(req: PlanRequest) -> Plan:
-    if req.cp == 1 and req.target_batch_size % req.ranks:  # fewer sequences than ranks
+    if req.cp == req.sp == 1 and req.target_batch_size % req.ranks:  # fewer sequences than ranks
         return plan_split(req, _plan, None)
     try:
         s, cands = search_for(req)
@@ -180,7 +180,7 @@ def _plan(req: PlanRequest) -> Plan:
     except ConfigError:
         raise
     except HfMemkitError as exc:
-        if req.cp > 1 or not req.splits_sequences:
+        if req.cp > 1 or req.sp > 1 or not req.splits_sequences:
             raise
         return plan_split(req, _plan, exc)
 

@@ -86,6 +86,7 @@ class PlanRequest:
     lengths: Any = None               # _plan.lengths.Lengths: the rows' lengths (SFT)
     cp: int = 1                       # the planner's context parallelism (_plan.sequence)
     cp_comm: str = "allgather"        # ... and its ring attention's rotation
+    sp: int = 1                       # the planner's sequence parallelism (engine="deepspeed")
 
     # -- derived ------------------------------------------------------------------------------
     @property
@@ -106,9 +107,10 @@ class PlanRequest:
 
     @property
     def splits_sequences(self) -> bool:
-        """Whether the planner may split sequences over ranks (context parallelism, FSDP2):
-        several ranks, the Trainer or SFT, no engine or parallelism_config of the user's."""
-        return self.ranks > 1 and self.engine in ("auto", "fsdp") and \
+        """Whether the planner may split sequences over ranks (context parallelism on FSDP2,
+        sequence parallelism for ``engine="deepspeed"``): several ranks, the Trainer or SFT, no
+        engine or parallelism_config of the user's."""
+        return self.ranks > 1 and self.engine in ("auto", "fsdp", "deepspeed") and \
             (self.trainer or "trainer") in ("trainer", "sft") and \
             "parallelism_config" not in self.pins and \
             not any(e.selected(self.pins.get) for e in ENGINES)
@@ -116,7 +118,7 @@ class PlanRequest:
     @property
     def data_parallel(self) -> int:
         """Ranks that take different sequences (all of them but for context parallelism)."""
-        return self.ranks // self.cp
+        return self.ranks // (self.cp * self.sp)
 
     @property
     def per_rank(self) -> int:

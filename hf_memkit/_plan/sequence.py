@@ -1,31 +1,54 @@
 """Plans that split each sequence over several ranks: context parallelism (torch ring attention
-over FSDP2, accelerate's ``ParallelismConfig(cp_size=...)``).
+over FSDP2, accelerate's ``ParallelismConfig(cp_size=...)``), or with ``engine="deepspeed"``
+sequence parallelism (DeepSpeed Ulysses, ``sp_size``).
 
 Tried when the ranks cannot each hold whole sequences: no setup fits with them, or the target
 batch has fewer sequences than there are ranks (one million-token sequence per step on 8 GPUs).
-The degree grows from the smallest that divides the ranks (the rest stay data-parallel, and
-FSDP shards over ``dp_shard x cp`` all the same); for each, allgather (one collective, the whole
-key/value held during attention) before alltoall (a ring: two chunks in flight), as the
-planner takes memory savers: the fastest setup that fits. Within a degree the usual search
+The degree grows from the smallest that divides the ranks (the rest stay data-parallel; FSDP
+shards over ``dp_shard x cp`` and ZeRO over every rank all the same); for context parallelism
+allgather (one collective, the whole key/value held during attention) comes before alltoall (a
+ring: two chunks in flight), as the planner takes memory savers: the fastest setup that fits.
+Ulysses splits the heads, so its degree must divide them. Within a degree the usual search
 chooses the method, precision, checkpointing and its offload, and the loss head.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .._engines.dims import CP_STRATEGIES
 from .._errors import ConfigError, HfMemkitError
+from .._model.spec import resolve_model
 from .request import PlanRequest
 
 
 def degrees(req: PlanRequest) -> list[int]:
-    """Context-parallel degrees to try: divisors of the ranks above 1 that leave a data-parallel
-    degree dividing the target batch."""
-    return [cp for cp in range(2, req.ranks + 1)
-            if req.ranks % cp == 0 and req.target_batch_size % (req.ranks // cp) == 0]
+    """Degrees to try: divisors of the ranks above 1 that leave a data-parallel degree dividing
+    the target batch."""
+    return [d for d in range(2, req.ranks + 1)
+            if req.ranks % d == 0 and req.target_batch_size % (req.ranks // d) == 0]
+
+
+def _splits(req: PlanRequest) -> Iterator[tuple[PlanRequest, str]]:
+    """Each split request in the order tried, with the note that explains it."""
+    if req.engine == "deepspeed":
+        heads = resolve_model(req.model, task=req.task).config.get_text_config()
+        h = int(getattr(heads, "num_attention_heads", 0) or 0)
+        for sp in degrees(req):
+            if h and h % sp == 0:
+                yield dataclasses.replace(req, sp=sp), (
+                    f"sequence parallelism x{sp} (DeepSpeed Ulysses; {req.ranks // sp} "
+                    f"data-parallel group(s)): sequences must be a multiple of {sp} tokens, "
+                    "batches carry position_ids")
+        return
+    for cp in degrees(req):
+        for comm in CP_STRATEGIES:
+            yield dataclasses.replace(req, cp=cp, cp_comm=comm), (
+                f"context parallelism x{cp} (torch ring attention, cp_comm_strategy={comm!r}; "
+                f"{req.ranks // cp} data-parallel group(s)): attention runs on SDPA, sequences "
+                f"are padded to a multiple of {2 * cp} tokens, and TRL refuses packing with it")
 
 
 def plan_split(req: PlanRequest, plan: Callable[[PlanRequest], Any],
@@ -33,31 +56,24 @@ def plan_split(req: PlanRequest, plan: Callable[[PlanRequest], Any],
     """The fastest plan that splits sequences (``plan`` runs one request's search); ``why``:
     the error of the search with whole sequences per rank (None: it was not possible)."""
     last: HfMemkitError | None = None
-    for cp in degrees(req):
-        for comm in CP_STRATEGIES:
-            sub = dataclasses.replace(req, cp=cp, cp_comm=comm)
-            sub.__dict__["dev"] = req.dev   # probed once (a cached_property)
-            try:
-                out = plan(sub)
-            except ConfigError:
-                raise
-            except HfMemkitError as exc:
-                last = exc
-                continue
-            out.notes.insert(0, _why_split(req, cp, comm, why))
-            return out
+    for sub, what in _splits(req):
+        sub.__dict__["dev"] = req.dev   # probed once (a cached_property)
+        try:
+            out = plan(sub)
+        except ConfigError:
+            raise
+        except HfMemkitError as exc:
+            last = exc
+            continue
+        reason = (f"no setup holds whole {req.seq_len}-token sequences on one rank"
+                  if why is not None else
+                  f"{req.target_batch_size} sequence(s) per step on {req.ranks} ranks")
+        out.notes.insert(0, f"{what}; chosen because {reason}")
+        return out
+    kind = "sequence" if req.engine == "deepspeed" else "context"
     if last is None:
-        raise why or HfMemkitError("no context-parallel degree divides the ranks")
+        raise why or HfMemkitError(f"no {kind}-parallel degree divides the {req.ranks} ranks "
+                                   "(and, for Ulysses, the attention heads)")
     lead = f"{why}\n" if why is not None else ""
-    raise HfMemkitError(f"{lead}with each sequence split over up to {req.ranks} ranks (context "
+    raise HfMemkitError(f"{lead}with each sequence split over up to {req.ranks} ranks ({kind} "
                         f"parallelism) it does not fit either: {last}") from last
-
-
-def _why_split(req: PlanRequest, cp: int, comm: str, why: HfMemkitError | None) -> str:
-    reason = (f"no setup holds whole {req.seq_len}-token sequences on one rank"
-              if why is not None else
-              f"{req.target_batch_size} sequence(s) per step on {req.ranks} ranks")
-    return (f"context parallelism x{cp}: {reason}, so each sequence is split over {cp} ranks "
-            f"(torch ring attention, cp_comm_strategy={comm!r}; {req.ranks // cp} data-parallel "
-            f"group(s)); attention runs on SDPA, sequences are padded to a multiple of {2 * cp} "
-            "tokens, and TRL refuses packing with it")

@@ -32,12 +32,21 @@ PINNED = Rung("pinned", "pinned engine", SINGLE_ENGINE.name)  # the user's own e
 
 
 def rung_of(name: str) -> Rung:
-    base, _, cp = name.partition("+cp")
+    base, _, sp = name.partition("+sp")
+    base, _, cp = base.partition("+cp")
     rung = {"single": SINGLE, "pinned": PINNED}.get(base) or all_rungs()[base]
+    if sp:
+        return with_sp(rung, int(sp))
     if not cp:
         return rung
     degree, _, comm = cp.partition("-")
     return with_cp(rung, int(degree), comm or "allgather")
+
+
+def with_sp(rung: Rung, sp: int) -> Rung:
+    """``rung`` (ZeRO) with each sequence split over ``sp`` ranks (DeepSpeed Ulysses)."""
+    return dataclasses.replace(rung, name=f"{rung.name}+sp{sp}",
+                               label=f"{rung.label} + SP x{sp} (Ulysses)", sp=sp)
 
 
 def with_cp(rung: Rung, cp: int, comm: str = "allgather") -> Rung:
@@ -214,6 +223,9 @@ def strategies(req: PlanRequest, method: Method) -> list[Rung]:
         return [SINGLE]
     if req.cp > 1:  # sequences split over cp ranks: FSDP2 over the dp_shard x cp mesh
         return [with_cp(r, req.cp, req.cp_comm) for r in ENGINES.get("fsdp").rungs()
+                if r.stage == 3 and method.allows_rung(r)]
+    if req.sp > 1:  # ... over sp ranks: DeepSpeed Ulysses with ZeRO-3 over every rank
+        return [with_sp(r, req.sp) for r in ENGINES.get("deepspeed").rungs()
                 if r.stage == 3 and method.allows_rung(r)]
     engine = ENGINES.get(req.engine) if req.engine != "auto" else \
         next(e for e in ENGINES if e.default_sharding)

@@ -244,3 +244,15 @@ def test_a_million_token_sft_of_an_8b_model_plans_on_one_8xh100_node():
     cfg = yaml.safe_load(plan.accelerate_config())
     assert cfg["num_processes"] == 8 and cfg["distributed_type"] == "FSDP"
     assert cfg["parallelism_config"]["parallelism_config_cp_size"] == 8
+
+
+def test_deepspeed_plans_split_sequences_with_ulysses():
+    plan = _plan(seq_len=16384, target_batch_size=1, num_gpus=2, engine="deepspeed")
+    ta = plan.training_args_kwargs
+    assert ta["parallelism_config"] == {"sp_size": 2, "sp_backend": "deepspeed"}
+    assert ta["deepspeed"]["zero_optimization"]["stage"] == 3
+    assert plan.estimate.setup.parallel.sp == 2 and plan.estimate.setup.sharding.world_size == 2
+    assert plan.notes[0].startswith("sequence parallelism x2 (DeepSpeed Ulysses")
+    # 3 ranks cannot split 4 heads: no degree is tried, the whole-sequence refusal stands
+    with pytest.raises(mk.HfMemkitError, match="not divisible|no sequence-parallel degree"):
+        _plan(seq_len=16384, target_batch_size=1, num_gpus=3, engine="deepspeed")
