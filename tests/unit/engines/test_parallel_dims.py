@@ -193,7 +193,8 @@ def test_fewer_sequences_than_ranks_splits_each_sequence(tmp_path):
                                         "cp_comm_strategy": "allgather"}
     assert ta["fsdp"] and plan.model_kwargs["attn_implementation"] == "sdpa"
     assert plan.estimate.setup.parallel.cp == 2
-    assert plan.notes[0].startswith("context parallelism x2: 1 sequence(s) per step on 2 ranks")
+    assert plan.notes[0].startswith("context parallelism x2 (torch ring attention")
+    assert plan.notes[0].endswith("chosen because 1 sequence(s) per step on 2 ranks")
     # the Trainer hands parallelism_config to its Accelerator: accelerate's own object
     with warnings.catch_warnings():   # fp32 cannot run CP on CUDA: the override's re-estimate
         warnings.simplefilter("ignore")
