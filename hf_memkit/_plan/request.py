@@ -19,6 +19,7 @@ from .._cuda.runtime import parse_cuda_version
 from .._device.precision import PrecisionIssue, precision_issues
 from .._device.probe import DeviceInfo, probe_device, resolve_device
 from .._engines import ENGINES, engine_choices
+from .._engines.dims import read_dims
 from .._errors import ConfigError, HfMemkitError, did_you_mean, excerpt, quoted
 from .._estimate.budget import (
     DEFAULT_HEADROOM,
@@ -117,7 +118,16 @@ class PlanRequest:
 
     @property
     def data_parallel(self) -> int:
-        """Ranks that take different sequences (all of them but for context parallelism)."""
+        """Ranks that take different sequences: all of them, but for the planner's sequence
+        split or a pinned ``parallelism_config``'s tensor / context / sequence degrees."""
+        pinned = self.pins.get("parallelism_config")
+        if pinned:
+            try:
+                dims = read_dims(pinned)
+            except ConfigError:  # said by normalize_args, with the other problems
+                dims = None
+            if dims is not None:
+                return max(1, self.ranks // dims.non_data_parallel)
         return self.ranks // (self.cp * self.sp)
 
     @property
@@ -301,14 +311,15 @@ class PlanRequest:
     def _batch_problems(self) -> list[Problem]:
         """The target-batch rule: ranks divide the target, the micro-batch divides the per-rank
         batch, and a pinned accumulation completes it exactly."""
-        target, ranks = self.target_batch_size, self.ranks
+        target, ranks = self.target_batch_size, self.data_parallel
         if not _positive_int(target):
             return []
         if target % ranks and not (ranks % target == 0 and self.splits_sequences):
             lo = target - target % ranks
             valid = [v for v in (lo, lo + ranks) if v > 0]
+            dp = "" if ranks == self.ranks else " data-parallel"
             return [Problem("target_batch_size",
-                            f"target_batch_size {target} is not divisible by {ranks} ranks; "
+                            f"target_batch_size {target} is not divisible by {ranks}{dp} ranks; "
                             f"nearest valid targets: "
                             f"{', '.join(map(str, valid))}")]
         return self._micro_batch_problems(self.per_rank)

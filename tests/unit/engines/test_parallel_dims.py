@@ -257,3 +257,17 @@ def test_deepspeed_plans_split_sequences_with_ulysses():
     # 3 ranks cannot split 4 heads: no degree is tried, the whole-sequence refusal stands
     with pytest.raises(mk.HfMemkitError, match="not divisible|no sequence-parallel degree"):
         _plan(seq_len=16384, target_batch_size=1, num_gpus=3, engine="deepspeed")
+
+
+def test_a_split_plan_round_trips_and_pinned_degrees_set_the_batch_rule():
+    plan = _plan(seq_len=16384, target_batch_size=1, num_gpus=2)
+    again = mk.Plan.from_json(plan.to_json())
+    assert again.training_args_kwargs["parallelism_config"]["cp_size"] == 2
+    # the user's own degrees: one sequence per step is one per data-parallel group
+    pinned = _plan(seq_len=16384, target_batch_size=1, num_gpus=2, **FSDP,
+                   parallelism_config={"cp_size": 2})
+    assert pinned.chosen.parallel == "pinned" and pinned.chosen.micro_batch == 1
+    assert pinned.estimate.setup.parallel.cp == 2
+    with pytest.raises(ConfigError, match="not divisible by 2 data-parallel ranks"):
+        _plan(seq_len=1024, target_batch_size=3, num_gpus=4, **FSDP,
+              parallelism_config={"dp_shard_size": 2, "cp_size": 2})
