@@ -18,7 +18,8 @@ needs ``dp_shard > 1`` or ``cp > 1``; CP runs on FSDP2 (torch ring attention), S
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+import dataclasses
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from .._errors import ConfigError, quoted
@@ -83,21 +84,8 @@ class ParallelDims:
         div = self.sequence_divisor
         return -(-seq_len // div) * div // n
 
-    def label(self) -> str:
-        parts = [f"{d}={getattr(self, d)}" for d in DIMS if getattr(self, d) > 1]
-        if self.cp > 1:
-            parts.append(f"cp_comm_strategy={self.cp_comm}")
-        return ", ".join(parts) or "one rank"
-
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-    def config_fields(self) -> dict[str, Any]:
-        """The ``ParallelismConfig`` keyword arguments of these degrees (what a plan emits)."""
-        out: dict[str, Any] = {f"{d}_size": getattr(self, d) for d in DIMS}
-        if self.cp > 1:
-            out["cp_comm_strategy"] = self.cp_comm
-        return out
 
     def to_accelerate(self) -> Any:
         """accelerate's ``ParallelismConfig`` of these degrees (``TrainingArguments``'s
@@ -230,11 +218,6 @@ def settled(dims: ParallelDims | None, processes: int, engine: str) -> ParallelD
         return ParallelDims(dp_shard=processes if sharding else 1,
                             dp_replicate=1 if sharding else processes)
     if dims.sp > 1 and dims.total != processes:
-        return replace(dims, dp_shard=processes // (dims.sp * dims.tp * dims.cp), dp_replicate=1)
+        return dataclasses.replace(dims, dp_shard=processes // (dims.sp * dims.tp * dims.cp), dp_replicate=1)
     return dims
 
-
-def replace(dims: ParallelDims, **kw: Any) -> ParallelDims:
-    d = {f.name: getattr(dims, f.name) for f in fields(dims)}
-    d.update(kw)
-    return ParallelDims(**d)

@@ -57,7 +57,9 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--gpu", default=None, help="catalog GPU or 'cpu'; default: this machine "
                                                "(or the recipe's hardware.device)")
     p.add_argument("--num-gpus", type=positive_int, default=None,
-                   help="data-parallel ranks over all nodes (DDP, else FSDP2 / ZeRO sharding)")
+                   help="GPUs over all nodes: data-parallel ranks (DDP, else FSDP2 / ZeRO "
+                        "sharding), each sequence split over several where whole ones do not fit "
+                        "(context parallelism; Ulysses with --engine deepspeed)")
     p.add_argument("--num-nodes", type=positive_int, default=None, help="nodes (default 1)")
     p.add_argument("--engine", default=None, choices=engine_choices(),
                    help="data-parallel engine (default auto: DDP if a replica fits, else FSDP2)")

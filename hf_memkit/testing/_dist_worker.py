@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from .._device.rss import alive_cpu_tensor_bytes
-from ._rank_tools import digest, examples, optimizer_bytes, tensor_bytes
+from ._rank_tools import digest, digesting_collate, examples, optimizer_bytes, tensor_bytes
 from .groundtruth import close_window, open_window
 from .groundtruth_dist import OUT_ENV
 from .models import build_model
@@ -66,10 +66,7 @@ def _run_ddp(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
     records: list[dict[str, Any]] = []
     extra: dict[str, Any] = {}
 
-    def collate(xs):
-        batch = {k: torch.stack([x[k] for x in xs]) for k in xs[0]}
-        seen.append(digest([batch["input_ids"]]))
-        return batch
+    collate = digesting_collate(seen)
 
     class Window(transformers.TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):

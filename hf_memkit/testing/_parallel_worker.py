@@ -64,7 +64,7 @@ import os
 from typing import Any
 
 from .._device.rss import alive_cpu_tensor_bytes
-from ._rank_tools import digest, examples, optimizer_bytes, tensor_bytes
+from ._rank_tools import digest, digesting_collate, examples, optimizer_bytes, tensor_bytes
 from .groundtruth import close_window, open_window
 from .models import build_model
 
@@ -316,10 +316,7 @@ def run_sp(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
     seen: list[str] = []
     records: list[dict[str, Any]] = []
 
-    def collate(xs):
-        batch = {k: torch.stack([x[k] for x in xs]) for k in xs[0]}
-        seen.append(digest([batch["input_ids"]]))
-        return batch
+    collate = digesting_collate(seen)
 
     class Window(transformers.TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):

@@ -30,6 +30,19 @@ def digest(tensors) -> str:
     return h.hexdigest()[:16]
 
 
+def digesting_collate(seen: list[str]):
+    """A data collator that stacks the examples and records each batch's token digest in
+    ``seen`` (which batches a rank trained on)."""
+    import torch
+
+    def collate(xs):
+        batch = {k: torch.stack([x[k] for x in xs]) for k in xs[0]}
+        seen.append(digest([batch["input_ids"]]))
+        return batch
+
+    return collate
+
+
 def examples(spec: dict[str, Any], config: Any, n: int, seed: int) -> list[dict[str, Any]]:
     """``n`` training examples: counting sequences a model can learn (``spec["learnable"]``),
     else random tokens."""
