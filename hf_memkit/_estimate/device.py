@@ -43,6 +43,7 @@ class DeviceTerms:
     margin: int = 0     # 2 sigma in bytes: what a plan adds before comparing with the budget
     required: int = 0   # the smallest device memory the step runs in (see ``allocator_fit``)
     sigmas: dict[str, int] = field(default_factory=dict)  # 1-sigma bytes per term
+    required_at_least: bool = False  # judged against a budget it misses: needs at least that
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class Replayed:
     on_device: int       # peak reserved with the device's memory as the capacity
     how: str  # "traced", "extended" or "deepened" (``allocation.full_depth_events``)
     smallest: Any = field(default=None, repr=False, compare=False)  # () -> smallest capacity
+    completes: Any = field(default=None, repr=False, compare=False)  # (capacity) -> bool
 
 
 def user_calibration(dev: DeviceInfo, runtime: CudaRuntime) -> Calibration | None:
@@ -176,9 +178,15 @@ class _Replay:
                 self._keep({**figures, "smallest": memo[0]})
             return memo[0]
 
+        def completes(capacity: int) -> bool:
+            if memo:
+                return memo[0] <= capacity
+            events, params, _ = self._events()
+            return replay_step(events, params, capacity=capacity, **self.kw).ooms == 0
+
         if keep:
             self._keep(figures)
-        return Replayed(allocated, reserved, on_device, how, search)
+        return Replayed(allocated, reserved, on_device, how, search, completes)
 
     def _keep(self, figures: dict[str, Any]) -> None:
         if self.key is not None:
@@ -322,6 +330,18 @@ def _fit(ex: Excess, spec: ModelSpec, om: OptimizerMemory, workspaces: tuple[int
     return fit, 0, max(0, fit.peak_allocated - plain.peak_allocated)
 
 
+def _most_fragmentation(at: Any, budget: int, hi: int) -> int:
+    """The most fragmentation over the live bytes with which ``at(frag)``'s required plus
+    margin (both grow with it) stays within ``budget``, to the byte (``at(it + 1)`` misses):
+    0 <= it < ``hi`` where ``at(0)`` fits and ``at(hi)`` does not (arithmetic, no replay)."""
+    lo = 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        required, margin, _ = at(mid)
+        lo, hi = (mid, hi) if required + margin <= budget else (lo, mid)
+    return lo
+
+
 def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: OptimizerMemory,
                  runtime: CudaRuntime | None, ranks: int, *, ex: Excess, spec: ModelSpec,
                  stage: str, micro_steps: int = 1, model_states: int = 0,
@@ -335,7 +355,10 @@ def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: Optimize
     ``fit_budget`` (the planner's): the smallest capacity is searched only where the verdict
     against it depends on it. A step that fits with what the device shows needs no cache freed
     (``required`` = ``device_used``); one that misses it even with no fragmentation needs at
-    least its live bytes and context (``required`` says that much)."""
+    least its live bytes and context (``required`` says that much); between the two, one
+    replay at the most fragmentation that would still fit settles a step that does not complete
+    there (``required`` says at least that much), and only a step that does is searched (the
+    same search, and so the same figure, as without a budget)."""
     if dev.kind != "cuda" or runtime is None:
         parts["fragmentation"] = parts["context"] = 0
         margin = int(2 * CPU_REL_SIGMA * peak)
@@ -376,11 +399,18 @@ def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: Optimize
         return required, margin, sigmas
 
     required, margin, sigmas = at(frag_on_device)
+    at_least = False
     if fit and fit_budget is not None and required + margin > fit_budget:
         low = at(0)
         if low[0] + low[1] > fit_budget:  # does not fit even with no fragmentation
             required, margin, sigmas = low
-            fit = dataclasses.replace(fit, smallest=None)
+            fit, at_least = dataclasses.replace(fit, smallest=None), True
+        else:  # one replay settles the verdict: at the most fragmentation that still fits
+            most = _most_fragmentation(at, fit_budget, frag_on_device)
+            if not fit.completes(fit.peak_allocated + most):
+                # it needs more: ``required`` says at least the next byte, which misses
+                required, margin, sigmas = at(most + 1)
+                fit, at_least = dataclasses.replace(fit, smallest=None), True
     if fit and fit.smallest is not None and (fit_budget is None or required + margin
                                              > fit_budget):
         required, margin, sigmas = at(max(0, fit.smallest() - fit.peak_allocated))
@@ -393,4 +423,4 @@ def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: Optimize
     if nccl:
         notes.append(f"NCCL communicator buffers: {format_bytes(nccl)} per rank")
     return DeviceTerms(allocated, reserved, used, margin / 2 / used if used else 0.0, notes,
-                       margin, required, sigmas)
+                       margin, required, sigmas, at_least)

@@ -403,6 +403,7 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
         host_offloaded=int(rs.host) + ex.host + technique_host_bytes(
             spec, setup, view.seq_len, device_kind=dev.kind, stage=stage),
         lower_bound=ex.lower_bound, cuda_version=runtime.version if runtime else None,
-        margin=terms.margin, required=int(terms.required), margin_terms=_shares(terms),
+        margin=terms.margin, required=int(terms.required),
+        required_at_least=terms.required_at_least, margin_terms=_shares(terms),
         phase_peaks={k: int(v) for k, v in step.phases.items()},
         refusals=list(vm.refusals) if vm is not None else [])

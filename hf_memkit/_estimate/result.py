@@ -48,6 +48,10 @@ class MemoryEstimate:
                 "at which the replayed step completes through the caching-allocator model (it "
                 "frees cached blocks and retries before an OOM), plus context; at most "
                 "device_used (0 given: device_used)."})
+    required_at_least: bool = field(default=False, repr=False, metadata={
+        "help": "True when the planner judged this setup against its budget and found it "
+                "misses: required is then at least what the step needs, not its smallest "
+                "capacity (estimate_memory always searches that)."})
     margin_terms: dict[str, int] = field(default_factory=dict, metadata={
         "help": "Each uncertain term's share of the margin in bytes (shares of the combined "
                 "variance, so they sum to the margin): traced activations and temporaries, "
@@ -107,7 +111,8 @@ class MemoryEstimate:
             "model_states": self.model_states, "host_offloaded": self.host_offloaded,
             "device": self.device.to_dict(), "setup": self.setup.to_dict(),
             "cuda_version": self.cuda_version, "margin": self.margin,
-            "required": self.required, "margin_terms": dict(self.margin_terms),
+            "required": self.required, "required_at_least": self.required_at_least,
+            "margin_terms": dict(self.margin_terms),
             "upper": self.upper, "budget": self.budget, "budget_basis": self.budget_basis,
             "fits": self.fits, "phase_peaks": dict(self.phase_peaks),
             "refusals": list(self.refusals),
@@ -144,6 +149,8 @@ class MemoryEstimate:
             seq_len=d["seq_len"], uncertainty=d["uncertainty"], notes=list(d["notes"]),
             model_states=d.get("model_states", 0), host_offloaded=d.get("host_offloaded", 0),
             cuda_version=d.get("cuda_version"), margin=d.get("margin", 0),
-            required=d.get("required") or d["device_used"], margin_terms=dict(d.get("margin_terms", {})),
+            required=d.get("required") or d["device_used"],
+            required_at_least=bool(d.get("required_at_least", False)),
+            margin_terms=dict(d.get("margin_terms", {})),
             budget=d.get("budget"), budget_basis=d.get("budget_basis", ""),
             phase_peaks=dict(d.get("phase_peaks", {})), refusals=list(d.get("refusals", [])))

@@ -48,6 +48,7 @@ class Search:
     cache: TraceCache = field(default_factory=TraceCache)
     _setups: dict[tuple, TrainingSetup] = field(default_factory=dict)
     _smallest: dict[tuple, Candidate] = field(default_factory=dict)
+    _second: dict[tuple, Candidate] = field(default_factory=dict)  # the next split up
     _states: dict[tuple, tuple] = field(default_factory=dict)
     _priced: set[str] = field(default_factory=set)
     _tried: set[tuple] = field(default_factory=set)      # groups with a candidate tried
@@ -135,17 +136,23 @@ class Search:
         return self._record(c, est)
 
     def _ample(self, c: Candidate) -> bool:
-        """Whether ``c`` looks likely to fit: its group's smallest forward (``_smallest_fits``'
-        probe), less the model states, scaled to ``c``'s micro-batch. A guess that only orders
-        the traces (exact first, or the line first); every verdict still rests on a bound or an
-        exact estimate."""
-        probe = self._probes.get(_group(c))
-        if probe is None:
+        """Whether ``c`` looks likely to fit: its group's smallest split scaled to ``c``'s
+        micro-batch: from its exact estimate, only the activations and temporaries at its peak
+        (model states, context and fragmentation stay); else from ``_smallest_fits``' forward
+        probe, everything but the model states. A guess that only orders the traces (exact
+        first, or the line first); every verdict still rests on a bound or an exact estimate."""
+        small = self._smallest[_group(c)]
+        ratio = c.micro_batch / small.micro_batch
+        probe = self._probes.get(_group(c))  # exact where the step's trace was cached
+        est = small.estimate if small.estimate is not None else probe
+        if est is not None and not est.lower_bound and est.peak_phase != "optimizer step":
+            scaled = est.breakdown.get("activations", 0) + est.breakdown.get("temporaries", 0)
+            return est.upper + scaled * (ratio - 1) <= self.budget
+        if probe is None:  # a forward bound may peak at the optimizer step: scale it all
             return False
         _, rs, _ = self._states_of(c)
         states = rs.model_states + rs.buckets
-        small = self._smallest[_group(c)].micro_batch
-        return states + max(0, probe.upper - states) * c.micro_batch / small <= self.budget
+        return states + max(0, probe.upper - states) * ratio <= self.budget
 
     def _record(self, c: Candidate, est: MemoryEstimate) -> bool:
         c.estimate, c.device_used, c.peak_allocated = est, est.device_used, est.peak_allocated
@@ -155,7 +162,7 @@ class Search:
         c.fits = est.upper <= self.budget and (self.host_budget is None
                                                or host <= self.host_budget)
         if not c.fits:
-            at_least = "at least " if est.lower_bound else ""
+            at_least = "at least " if est.lower_bound or est.required_at_least else ""
             c.reason = (f"needs {at_least}{format_bytes(est.required)} (+ margin "
                         f"{format_bytes(est.upper - est.required)}) > budget "
                         f"{format_bytes(self.budget)}" if est.upper > self.budget else
@@ -169,7 +176,10 @@ class Search:
         the whole group), no larger one does, and ``c`` is rejected without a trace of its own.
         Where the group does not look ample, or a faster split has failed, the smallest is traced
         exactly (one of the micro-batch line's two traces), which settles the group before the
-        line's second."""
+        line's second; or, where the probe says the smallest likely fits (``_forward_bound``),
+        the next split up (the line's second trace): where it does not fit, no larger one does,
+        and the smallest (the slowest split) is traced only when the search reaches it or the
+        line needs it."""
         g = _group(c)
         small = self._smallest[g]
         if small is c:
@@ -179,7 +189,20 @@ class Search:
             if est.upper > self.budget:
                 self._record(small, est)
         if small.estimate is None and (g in self._tried or not self._ample(c)):
-            self._try(small)
+            # the next split up is the line's second trace: where it does not fit, no larger
+            # one does, and the smallest (slower) is traced only when the search reaches it
+            second = self._second.get(g) if self._forward_bound(g) else None
+            if second is not None and second.micro_batch <= c.micro_batch:
+                if second is c:
+                    return True
+                if second.estimate is None:
+                    self._try(second)
+                if not second.fits:
+                    c.reason = (f"a smaller micro-batch ({second.micro_batch}) already does not "
+                                f"fit: {second.reason}")
+                    return False
+            else:
+                self._try(small)
         if small.estimate is not None and not small.fits:
             c.reason = (f"a smaller micro-batch ({small.micro_batch}) already does not fit: "
                         f"{small.reason}")
@@ -197,9 +220,25 @@ class Search:
             if c.method != method:
                 continue
             self.price(c)
-            g = _group(c)
-            if g not in self._smallest or c.micro_batch < self._smallest[g].micro_batch:
-                self._smallest[g] = c
+            self._place(c)
+
+    def _forward_bound(self, g: tuple) -> bool:
+        """Whether the group's probe was bounded by its forward (not by the optimizer step,
+        which says nothing of the activations): then its smallest split likely fits, and the
+        next split up decides the group (``_smallest_fits``); else the smallest is traced first,
+        since where it does not fit, nothing of the group does."""
+        probe = self._probes.get(g)
+        return probe is not None and probe.peak_phase != "optimizer step"
+
+    def _place(self, c: Candidate) -> None:
+        """Keep ``c`` as its group's smallest or next-smallest split where it is one."""
+        g = _group(c)
+        small = self._smallest.get(g)
+        if small is None or c.micro_batch < small.micro_batch:
+            self._smallest[g], c = c, small
+        if c is not None and (g not in self._second
+                              or c.micro_batch < self._second[g].micro_batch):
+            self._second[g] = c
 
     def run(self, candidates: list[Candidate]) -> Candidate:
         mine = user_optimizer(self.req)

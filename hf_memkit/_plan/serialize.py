@@ -114,7 +114,8 @@ def estimate_summary(est: Any) -> dict[str, Any] | None:
     if est is None:
         return None
     return {"device_used": est.device_used, "upper": est.upper,
-            "required": est.required, "margin": est.upper - est.required,
+            "required": est.required, "required_at_least": est.required_at_least,
+            "margin": est.upper - est.required,
             "budget": est.budget, "fits": est.fits,
             "peak_allocated": est.peak_allocated, "peak_reserved": est.peak_reserved,
             "peak_phase": est.peak_phase,

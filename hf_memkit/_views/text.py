@@ -276,7 +276,7 @@ def estimate_table(est) -> Table:
     add_row(t, "= device used", format_bytes(est.device_used),
             f"{format_bytes(lo)} .. {format_bytes(hi)}", style="bold green")
     if est.required != est.device_used:
-        add_row(t, "needs (cache freed)", format_bytes(est.required),
+        add_row(t, "needs (cache freed)", _at_least(est) + format_bytes(est.required),
                 "allocator frees its cache first")
     if any(k.startswith(("generate", "score")) for k in est.phase_peaks):
         for k, v in est.phase_peaks.items():   # an online-RL step's phases side by side
@@ -320,12 +320,18 @@ def plan_model_name(plan) -> str:
     return str(name)
 
 
+def _at_least(est) -> str:
+    """A setup the planner found to miss its budget is only bounded: it needs at least that."""
+    return "at least " if est.required_at_least or est.lower_bound else ""
+
+
 def _predicted_memory(plan, c) -> str:
     est = c.estimate
     text = f"{format_bytes(c.device_used)} of {format_bytes(plan.budget)}"
     text += " per GPU" if plan.num_gpus > 1 else ""
     if est is not None and est.upper != est.device_used:
-        text += f"; needs {format_bytes(est.required)}, with its margin {format_bytes(est.upper)}"
+        text += (f"; needs {_at_least(est)}{format_bytes(est.required)}, with its margin "
+                 f"{format_bytes(est.upper)}")
     return text + (": fits" if c.fits else ": does not fit")
 
 

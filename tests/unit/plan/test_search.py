@@ -124,3 +124,32 @@ def test_setups_sharing_a_trace_replay_their_own_parameters():
     assert shared.breakdown["fragmentation"] == alone.breakdown["fragmentation"]
     assert (shared.peak_allocated, shared.peak_reserved, shared.device_used) == (
         alone.peak_allocated, alone.peak_reserved, alone.device_used)
+
+
+def test_a_verdict_judged_against_a_budget_is_the_searched_ones(monkeypatch):
+    """The planner judges a step whose fragmentation decides its verdict with one replay, at the
+    most fragmentation that would still fit; ``estimate_memory`` searches the smallest capacity
+    instead. For every budget across that range the two agree, and a step judged to miss says
+    it needs at least what it was judged by (never more than the search finds)."""
+    from hf_memkit._estimate import device
+
+    judged_once = []
+    most = device._most_fragmentation
+    monkeypatch.setattr(device, "_most_fragmentation",
+                        lambda *a: judged_once.append(1) or most(*a))
+    wider = LlamaConfig(**{**TINY.to_dict(), "hidden_size": 256, "intermediate_size": 688})
+    spec, dev = resolve_model(wider), mk.get_device("A100-80GB")
+    setup = normalize_args({"per_device_train_batch_size": 8, "bf16": True})
+    full = estimate_for(spec, setup, dev, seq_len=SEQ)
+    assert full.breakdown["fragmentation"] > 0
+    lo = full.upper - full.breakdown["fragmentation"]
+    cache = TraceCache()
+    for i in range(13):
+        budget = lo + (full.device_used + full.margin - lo) * i // 12
+        judged = estimate_for(spec, setup, dev, seq_len=SEQ, cache=cache, fit_budget=budget)
+        assert (judged.upper <= budget) == (full.upper <= budget), budget
+        if judged.required_at_least:  # judged to miss: bounded by what it was judged by
+            assert judged.upper > budget and judged.required <= full.required
+        else:                           # searched as estimate_memory searches
+            assert judged.required == full.required
+    assert judged_once  # some budgets were settled by the one replay
