@@ -30,6 +30,14 @@ from .space import Candidate, SpecBook, rung_of, user_optimizer
 PURE_BF16 = "pure-bf16"
 
 
+def _at_forward(rs) -> int:
+    """What the forward holds before any activation (``phases._train_phases``' forward less
+    its traced excess): resident states but gradients (freed by the previous step's
+    ``zero_grad``, unless one resident buffer), and the unsharded parameters gathered for it."""
+    return (rs.weights + rs.optimizer + rs.buckets + rs.gathered_forward
+            + (rs.gradients if rs.resident_gradients else 0))
+
+
 def _group(c: Candidate) -> tuple:
     """What a candidate is apart from its micro-batch split."""
     return (c.method, c.precision, c.optim, c.techniques, c.parallel, c.attn)
@@ -106,6 +114,10 @@ class Search:
         elif rs.model_states + rs.buckets > self.budget:
             c.reason = (f"weights + gradients + optimizer state alone need "
                         f"{format_bytes(rs.model_states + rs.buckets)} > budget "
+                        f"{format_bytes(self.budget)}")
+        elif _at_forward(rs) > self.budget:
+            c.reason = (f"weights + optimizer state + the parameters the engine gathers for the "
+                        f"forward alone need {format_bytes(_at_forward(rs))} > budget "
                         f"{format_bytes(self.budget)}")
 
     def _shape(self, c: Candidate) -> Shape:
