@@ -365,6 +365,13 @@ CASES: tuple[Case, ...] = (
     _c("qwen2-0.5b", "pure_bf16", "adafactor", at_required=True),
     _c("bert-base-cls", "amp_bf16", "adafactor", batch=32, seq_len=512, ckpt=True,
        at_required=True),
+    # issue #24's longest-context rows (Unsloth's HF + FA2 table ran transformers 4.46, whose
+    # loss kept one more fp32 copy of the logits): at 16k tokens a 128k vocabulary's logits and
+    # loss dominate the step; does the current stack's step peak where the estimate says, and
+    # does it complete at the estimate's `required`?
+    _c("llama-1.2b", "amp_bf16", ckpt=True, method="lora", batch=1, seq_len=16384),
+    _c("llama-1.2b", "amp_bf16", ckpt=True, method="lora", batch=1, seq_len=16384,
+       at_required=True),
     # issue #25: the model saved, then loaded as users load it, from_pretrained(dir,
     # device_map="cuda"): transformers' caching_allocator_warmup reserves a model-sized block
     # first; reserved vs allocated after the load, then the same training
