@@ -28,6 +28,9 @@ from .request import PlanRequest
 from .space import Candidate, SpecBook, rung_of, user_optimizer
 
 PURE_BF16 = "pure-bf16"
+# trainers whose eval step is a forward and loss of the train step's own (no generation): at a
+# batch the train step fits, so does the eval step
+EVAL_IS_FORWARD = ("trainer", "sft", "dpo")
 
 
 def _at_forward(rs) -> int:
@@ -285,10 +288,14 @@ class Search:
     def eval_batch(self, chosen: Candidate) -> int:
         """The largest power of two (<= 4 x the micro-batch) whose eval step fits, traced
         exactly from the top down (a trace on fake tensors costs the same at any batch, and the
-        largest usually fits: one trace)."""
+        largest usually fits: one trace). Down to the micro-batch's own power of two, which is
+        not traced where the eval step is the train step's forward and loss (``EVAL_IS_FORWARD``:
+        it holds no more than the train step that fits at that batch); else down to 1."""
         setup = self.setup_of(chosen)
         b = 1 << (4 * chosen.micro_batch).bit_length() - 1
-        while b > 1 and self.estimate(chosen, stage="eval", setup=setup.replace(
+        floor = 1 << chosen.micro_batch.bit_length() - 1 \
+            if (self.req.trainer or "trainer") in EVAL_IS_FORWARD else 1
+        while b > floor and self.estimate(chosen, stage="eval", setup=setup.replace(
                 eval_batch=b)).upper > self.budget:
             b //= 2
         return b

@@ -153,3 +153,28 @@ def test_a_verdict_judged_against_a_budget_is_the_searched_ones(monkeypatch):
         else:                           # searched as estimate_memory searches
             assert judged.required == full.required
     assert judged_once  # some budgets were settled by the one replay
+
+
+# a vocabulary-heavy model: its eval step at 2x the micro-batch holds more than the train step
+VOCAB = LlamaConfig(**{**TINY.to_dict(), "vocab_size": 32000, "hidden_size": 64,
+                       "intermediate_size": 128, "num_attention_heads": 4,
+                       "num_key_value_heads": 2})
+
+
+@pytest.mark.parametrize("model,seq,budget_mib", [(TINY, SEQ, 30), (TINY, SEQ, 14),
+                                                  (VOCAB, 512, 450), (VOCAB, 512, 300)])
+def test_the_planned_eval_batch_fits_where_it_was_not_traced(model, seq, budget_mib):
+    """The eval batch is searched from 4x the micro-batch down to the micro-batch's own power of
+    two, which is not traced (the eval step is the train step's forward and loss). An
+    independent eval estimate of the planned eval batch fits the budget, also where the search
+    stopped at that floor (the vocabulary-heavy model at 450 MiB: micro-batch 2, eval 2)."""
+    budget = budget_mib * MiB
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = mk.plan_training(model, seq_len=seq, target_batch_size=8, device=_cpu(budget),
+                             max_memory=budget, method="full")
+    kw = p.training_args_kwargs
+    ev = mk.estimate_memory(model, kw, device=_cpu(budget), seq_len=seq, stage="eval")
+    floor = 1 << kw["per_device_train_batch_size"].bit_length() - 1
+    assert kw["per_device_eval_batch_size"] >= floor
+    assert ev.upper <= budget, (kw, ev.upper, budget)
