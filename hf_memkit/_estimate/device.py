@@ -330,6 +330,25 @@ def _fit(ex: Excess, spec: ModelSpec, om: OptimizerMemory, workspaces: tuple[int
     return fit, 0, max(0, fit.peak_allocated - plain.peak_allocated)
 
 
+def _judged(fit: Replayed | None, at: Any, budget: int | None,
+            frag_on_device: int) -> tuple[Replayed | None, tuple, bool]:
+    """(the replay, ``at(frag)`` of what the step needs, whether that is only a lower bound):
+    see ``device_terms``' ``fit_budget``."""
+    need = at(frag_on_device)
+    if fit and budget is not None and need[0] + need[1] > budget:
+        low = at(0)
+        if low[0] + low[1] > budget:  # does not fit even with no fragmentation
+            return dataclasses.replace(fit, smallest=None), low, True
+        # one replay settles the verdict: at the most fragmentation that still fits
+        most = _most_fragmentation(at, budget, frag_on_device)
+        if not fit.completes(fit.peak_allocated + most):
+            # it needs more: ``required`` says at least the next byte, which misses
+            return dataclasses.replace(fit, smallest=None), at(most + 1), True
+    if fit and fit.smallest is not None and (budget is None or need[0] + need[1] > budget):
+        need = at(max(0, fit.smallest() - fit.peak_allocated))
+    return fit, need, False
+
+
 def _most_fragmentation(at: Any, budget: int, hi: int) -> int:
     """The most fragmentation over the live bytes with which ``at(frag)``'s required plus
     margin (both grow with it) stays within ``budget``, to the byte (``at(it + 1)`` misses):
@@ -398,22 +417,7 @@ def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: Optimize
             return required, margin, {"calibration residuals": margin // 2}
         return required, margin, sigmas
 
-    required, margin, sigmas = at(frag_on_device)
-    at_least = False
-    if fit and fit_budget is not None and required + margin > fit_budget:
-        low = at(0)
-        if low[0] + low[1] > fit_budget:  # does not fit even with no fragmentation
-            required, margin, sigmas = low
-            fit, at_least = dataclasses.replace(fit, smallest=None), True
-        else:  # one replay settles the verdict: at the most fragmentation that still fits
-            most = _most_fragmentation(at, fit_budget, frag_on_device)
-            if not fit.completes(fit.peak_allocated + most):
-                # it needs more: ``required`` says at least the next byte, which misses
-                required, margin, sigmas = at(most + 1)
-                fit, at_least = dataclasses.replace(fit, smallest=None), True
-    if fit and fit.smallest is not None and (fit_budget is None or required + margin
-                                             > fit_budget):
-        required, margin, sigmas = at(max(0, fit.smallest() - fit.peak_allocated))
+    fit, (required, margin, sigmas), at_least = _judged(fit, at, fit_budget, frag_on_device)
     notes = _calibration_notes(runtime, cal, sigmas, margin, emulated)
     notes += ws_notes + _allocator_notes(fit, dev, required, allocated, conf, pool)
     if rounding:

@@ -8,6 +8,8 @@ The degree grows from the smallest that divides the ranks (the rest stay data-pa
 shards over ``dp_shard x cp`` and ZeRO over every rank all the same); for context parallelism
 allgather (one collective, the whole key/value held during attention) comes before alltoall (a
 ring: two chunks in flight), as the planner takes memory savers: the fastest setup that fits.
+The most split (the most ranks, the ring) is tried first: where it does not fit, no split does,
+and the plan says so after one search instead of one per degree and strategy.
 Ulysses splits the heads, so its degree must divide them. Within a degree the usual search
 chooses the method, precision, checkpointing and its offload, and the loss head.
 """
@@ -56,10 +58,22 @@ def plan_split(req: PlanRequest, plan: Callable[[PlanRequest], Any],
     """The fastest plan that splits sequences (``plan`` runs one request's search); ``why``:
     the error of the search with whole sequences per rank (None: it was not possible)."""
     last: HfMemkitError | None = None
-    for sub, what in _splits(req):
+    splits = list(_splits(req))
+    for sub, _ in splits:
         sub.__dict__["dev"] = req.dev   # probed once (a cached_property)
+    tried: dict[int, Any] = {}
+    if len(splits) > 1:
+        # the last split holds the least per rank (the most ranks; for CP the ring, whose
+        # buffers shrink with the degree): where it does not fit, no other does
         try:
-            out = plan(sub)
+            tried[len(splits) - 1] = plan(splits[-1][0])
+        except ConfigError:
+            raise
+        except HfMemkitError as exc:
+            splits, last = [], exc
+    for i, (sub, what) in enumerate(splits):
+        try:
+            out = tried[i] if i in tried else plan(sub)
         except ConfigError:
             raise
         except HfMemkitError as exc:

@@ -253,7 +253,10 @@ _CP_PROBE = textwrap.dedent("""
             out[method] = "ran"
         except Exception as e:
             out[method] = type(e).__name__ + ": " + str(e)
-    print("@@CP " + json.dumps(out), flush=True)
+    # one file per rank: two ranks printing to torchrun's one stdout can interleave a line
+    with open(sys.argv[1] + f"/cp_rank{dist.get_rank()}.json", "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
 """)
 
 
@@ -268,11 +271,12 @@ def test_context_parallel_still_fails_on_cpu(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-                           str(script)], env=env, capture_output=True, text=True, timeout=300)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@CP ")]
-    assert proc.returncode == 0 and len(lines) == 2, proc.stderr[-3000:]
-    for line in lines:
-        result = json.loads(line[len("@@CP "):])
+                           str(script), str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    ranks = sorted(tmp_path.glob("cp_rank*.json"))
+    assert proc.returncode == 0 and len(ranks) == 2, proc.stderr[-3000:]
+    for path in ranks:
+        result = json.loads(path.read_text())
         for method in ("allgather", "alltoall"):
             assert result[method].startswith(CP_ON_CPU[method]), result[method]
 

@@ -271,3 +271,38 @@ def test_a_split_plan_round_trips_and_pinned_degrees_set_the_batch_rule():
     with pytest.raises(ConfigError, match="not divisible by 2 data-parallel ranks"):
         _plan(seq_len=1024, target_batch_size=3, num_gpus=4, **FSDP,
               parallelism_config={"dp_shard_size": 2, "cp_size": 2})
+
+
+def test_a_split_that_cannot_fit_is_refused_after_one_search():
+    """The most split request (the most ranks, the ring) holds the least per rank: where it does
+    not fit, the planner refuses at once instead of searching every degree and strategy; where
+    it fits, the smallest degree that fits is still the one chosen, and the most split's search
+    is not run twice."""
+    from types import SimpleNamespace
+
+    from hf_memkit._errors import HfMemkitError
+    from hf_memkit._plan.request import PlanRequest
+    from hf_memkit._plan.sequence import plan_split
+
+    req = PlanRequest("Llama-3.1-8B", 4096, 8, "H100-80GB", num_gpus=8)
+    tried: list[tuple[int, str]] = []
+
+    def never(sub):
+        tried.append((sub.cp, sub.cp_comm))
+        raise HfMemkitError(f"cp {sub.cp} {sub.cp_comm} does not fit")
+
+    with pytest.raises(HfMemkitError, match="does not fit either: cp 8 alltoall does not fit"):
+        plan_split(req, never, HfMemkitError("whole sequences do not fit"))
+    assert tried == [(8, "alltoall")]
+
+    tried.clear()
+
+    def from_four(sub):
+        tried.append((sub.cp, sub.cp_comm))
+        if sub.cp < 4:
+            raise HfMemkitError("too long")
+        return SimpleNamespace(notes=[], cp=sub.cp, comm=sub.cp_comm)
+
+    out = plan_split(req, from_four, HfMemkitError("whole sequences do not fit"))
+    assert (out.cp, out.comm) == (4, "allgather")
+    assert tried == [(8, "alltoall"), (2, "allgather"), (2, "alltoall"), (4, "allgather")]
