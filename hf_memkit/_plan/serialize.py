@@ -90,6 +90,8 @@ def estimate_kwargs(model_kwargs: dict[str, Any], peft_config: Any) -> dict[str,
 
 def rejection_kind(reason: str) -> str:
     """A rejected setup's reason without its numbers, so that like rejections group together."""
+    if "gathers for the forward alone need" in reason:
+        return "weights + optimizer state + the forward's gathered parameters exceed the budget"
     if "alone need" in reason:
         return "weights + gradients + optimizer state alone exceed the budget"
     if reason.startswith("offload needs"):

@@ -312,3 +312,20 @@ def test_sharding_beats_a_replica_squeezed_by_slow_savers():
 def test_fsdp_on_cpu_says_the_trainer_would_run_ddp():
     e = est(TINY, {"fsdp": True, "fsdp_config": {"version": 2}}, device="cpu", num_gpus=2)
     assert any("silently trains DDP" in n for n in e.notes)
+
+
+def test_a_setup_whose_gathered_forward_exceeds_the_budget_is_rejected_untraced():
+    """SHARD_GRAD_OP keeps every layer gathered from its forward to its backward: where that
+    with the resident states exceeds the budget, the setup is rejected on model states alone,
+    and an exact estimate of the same setup agrees (the bound is below the traced step)."""
+    from hf_memkit._plan import PlanRequest, search_for
+
+    req = PlanRequest("Llama-3.1-8B", 2048, 16, "RTX-4090", num_gpus=8, method="full")
+    s, cands = search_for(req)
+    s.price_method(cands, "full")
+    c = next(c for c in cands if c.parallel == "fsdp-grad-op" and c.precision == "bf16"
+             and c.micro_batch == 1 and not c.techniques)
+    assert "the parameters the engine gathers for the forward" in c.reason
+    assert c.estimate is None
+    exact = s.estimate(c, judge=False)
+    assert exact.upper > s.budget and not exact.lower_bound
