@@ -88,6 +88,12 @@ class MemoryEstimate:
         return self.upper <= self.budget
 
     @property
+    def needs_at_least(self) -> bool:
+        """Whether ``required`` only bounds what the step needs from below: a lower-bound
+        estimate, or one the planner judged to miss its budget (``required_at_least``)."""
+        return self.lower_bound or self.required_at_least
+
+    @property
     def upper(self) -> int:
         """What must fit the budget: ``required`` (the smallest memory the step runs in) plus
         the margin. One safety factor: the budget's headroom is for other tenants of the GPU."""

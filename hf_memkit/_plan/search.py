@@ -28,9 +28,6 @@ from .request import PlanRequest
 from .space import Candidate, SpecBook, rung_of, user_optimizer
 
 PURE_BF16 = "pure-bf16"
-# trainers whose eval step is a forward and loss of the train step's own (no generation): at a
-# batch the train step fits, so does the eval step
-EVAL_IS_FORWARD = ("trainer", "sft", "dpo")
 
 
 def _at_forward(rs) -> int:
@@ -118,9 +115,9 @@ class Search:
             c.reason = (f"weights + gradients + optimizer state alone need "
                         f"{format_bytes(rs.model_states + rs.buckets)} > budget "
                         f"{format_bytes(self.budget)}")
-        elif _at_forward(rs) > self.budget:
+        elif (at_forward := _at_forward(rs)) > self.budget:
             c.reason = (f"weights + optimizer state + the parameters the engine gathers for the "
-                        f"forward alone need {format_bytes(_at_forward(rs))} > budget "
+                        f"forward alone need {format_bytes(at_forward)} > budget "
                         f"{format_bytes(self.budget)}")
 
     def _shape(self, c: Candidate) -> Shape:
@@ -177,7 +174,7 @@ class Search:
         c.fits = est.upper <= self.budget and (self.host_budget is None
                                                or host <= self.host_budget)
         if not c.fits:
-            at_least = "at least " if est.lower_bound or est.required_at_least else ""
+            at_least = "at least " if est.needs_at_least else ""
             c.reason = (f"needs {at_least}{format_bytes(est.required)} (+ margin "
                         f"{format_bytes(est.upper - est.required)}) > budget "
                         f"{format_bytes(self.budget)}" if est.upper > self.budget else
@@ -289,12 +286,13 @@ class Search:
         """The largest power of two (<= 4 x the micro-batch) whose eval step fits, traced
         exactly from the top down (a trace on fake tensors costs the same at any batch, and the
         largest usually fits: one trace). Down to the micro-batch's own power of two, which is
-        not traced where the eval step is the train step's forward and loss (``EVAL_IS_FORWARD``:
-        it holds no more than the train step that fits at that batch); else down to 1."""
+        not traced where the eval step is the train step's forward and loss (the trainer's
+        ``eval_is_forward``: it holds no more than the train step that fits at that batch); else
+        down to 1."""
         setup = self.setup_of(chosen)
         b = 1 << (4 * chosen.micro_batch).bit_length() - 1
         floor = 1 << chosen.micro_batch.bit_length() - 1 \
-            if (self.req.trainer or "trainer") in EVAL_IS_FORWARD else 1
+            if setup.trainer_kind.eval_is_forward else 1
         while b > floor and self.estimate(chosen, stage="eval", setup=setup.replace(
                 eval_batch=b)).upper > self.budget:
             b //= 2

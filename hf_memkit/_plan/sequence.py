@@ -61,19 +61,18 @@ def plan_split(req: PlanRequest, plan: Callable[[PlanRequest], Any],
     splits = list(_splits(req))
     for sub, _ in splits:
         sub.__dict__["dev"] = req.dev   # probed once (a cached_property)
-    tried: dict[int, Any] = {}
+    most_split = None  # the last split holds the least per rank (the most ranks; for CP the
+    # ring, whose buffers shrink with the degree): where it does not fit, no other does
     if len(splits) > 1:
-        # the last split holds the least per rank (the most ranks; for CP the ring, whose
-        # buffers shrink with the degree): where it does not fit, no other does
         try:
-            tried[len(splits) - 1] = plan(splits[-1][0])
+            most_split = plan(splits[-1][0])
         except ConfigError:
             raise
         except HfMemkitError as exc:
             splits, last = [], exc
     for i, (sub, what) in enumerate(splits):
         try:
-            out = tried[i] if i in tried else plan(sub)
+            out = most_split if i == len(splits) - 1 and most_split is not None else plan(sub)
         except ConfigError:
             raise
         except HfMemkitError as exc:

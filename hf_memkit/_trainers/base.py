@@ -16,6 +16,7 @@ rejected rows together and runs a reference forward. An entry says, from its con
   * ``notes(options)``, ``host_note(nbytes)``: what the estimate says about it;
   * ``fields``: the config fields it models (the field-coverage test checks the rest are named);
   * ``takes_ref_model``, ``lengths_plan``: whether ``ref_model=`` and ``lengths=`` apply;
+  * ``eval_is_forward``: whether its eval step holds no more than its train step's forward;
   * ``run_problems(...)`` and ``build(...)``: what ``hf-memkit train`` needs to run it, and the
     trainer it builds over a recipe's rows.
 """
@@ -102,6 +103,9 @@ class TrainerKind:
     # (``_setup.coverage``'s IRRELEVANT holds those of every trainer)
     irrelevant: Mapping[str, tuple[str, ...]] = {}
     lengths_plan = False                          # plans micro-batches in tokens from lengths=
+    # its eval step is a forward and loss of the train step's own (no generation): it fits
+    # at any batch the train step fits at (the planner's eval batch search stops there)
+    eval_is_forward = True
 
     def read(self, get: Callable[[str], Any]) -> Mapping[str, Any]:
         """The options that change memory (``get``: a config field, with its default)."""

@@ -207,6 +207,7 @@ class GRPO(TrlTrainerKind):
               "vllm_gpu_memory_utilization", "vllm_max_model_length",
               "vllm_tensor_parallel_size", "vllm_enable_sleep_mode",
               "ds3_gather_for_generation")
+    eval_is_forward = False   # its eval generates completions
     takes_ref_model = False
     derived = ("generation_batch_size", "steps_per_generation")   # GRPOConfig.__post_init__
     irrelevant = {

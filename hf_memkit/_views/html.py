@@ -63,7 +63,7 @@ def breakdown_bar_html(est) -> str:
 
 def _memory_line(est) -> str:
     budget = format_bytes(est.budget) if est.budget is not None else "no budget"
-    at_least = "at least " if est.required_at_least or est.lower_bound else ""
+    at_least = "at least " if est.needs_at_least else ""
     return (f"device used {format_bytes(est.device_used)}; needs {at_least}"
             f"{format_bytes(est.required)} "
             f"+ margin {format_bytes(est.upper - est.required)} = {format_bytes(est.upper)} of "

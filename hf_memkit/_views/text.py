@@ -321,8 +321,7 @@ def plan_model_name(plan) -> str:
 
 
 def _at_least(est) -> str:
-    """A setup the planner found to miss its budget is only bounded: it needs at least that."""
-    return "at least " if est.required_at_least or est.lower_bound else ""
+    return "at least " if est.needs_at_least else ""
 
 
 def _predicted_memory(plan, c) -> str:
