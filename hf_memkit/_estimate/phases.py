@@ -330,12 +330,12 @@ def _shares(terms: Any) -> dict[str, int]:
 
 def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_len: int,
                  stage: str = "train", target_len: int | None = None, padded: bool = False,
-                 cache: TraceCache | None = None, exact: bool = True,
+                 cache: TraceCache | None = None,
                  probe: bool = False, cuda_version: str | None = None,
                  fit_budget: int | None = None, seq_name: str = "seq_len") -> MemoryEstimate:
     """``estimate_memory`` for an already resolved model and setup (the planner's entry).
-    ``exact=False`` with a cache may return a lower bound (``MemoryEstimate.lower_bound``);
-    ``probe=True`` with a cache bounds a train step from its forward alone. ``fit_budget``:
+    ``probe=True`` with a cache bounds a train step from its forward alone
+    (``MemoryEstimate.lower_bound``). ``fit_budget``:
     the budget the planner judges by, so the smallest-capacity search runs only where the
     verdict depends on it (``device.device_terms``). ``seq_name``: the argument ``seq_len`` came
     from (``max_length``), named by its errors."""
@@ -363,7 +363,7 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
     elif probe:
         ex = cache.probe(trace_spec, trace_setup, **kw)
     else:
-        ex = cache.excess(trace_spec, trace_setup, exact=exact, **kw)
+        ex = cache.excess(trace_spec, trace_setup, **kw)
     # QLoRA's dequantisation temporaries are traced (_trace.SimLinear4bit); an 8-bit base is
     # traced as frozen linears of the load dtype.
     step = _step(spec, trace_spec, setup, ex, rs, stage, ref)

@@ -73,8 +73,7 @@ def rollout_phases(spec: ModelSpec, setup: TrainingSetup, rs: RankStates, *, seq
     for phase in rollout(setup.trainer_options, _steps(setup), setup.grad_accum):
         s = _phase_setup(setup, phase)
         kw = dict(seq_len=seq_len, stage="eval", target_len=None, padded=False, target=target)
-        ex = trace_excess(spec, s, **kw) if cache is None else cache.excess(spec, s, exact=True,
-                                                                            **kw)
+        ex = trace_excess(spec, s, **kw) if cache is None else cache.excess(spec, s, **kw)
         gathered = gathered_for(spec, setup, rs, phase)
         base = rs.weights + rs.optimizer + rs.buckets + held + grads + ex.inputs + gathered
         for name, extra in ex.phases.items():

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .._compat import spare_the_collector
 from .._engines import engine_choices
 from .._errors import ConfigError, HfMemkitError
 from .._estimate.budget import resolve_headroom
@@ -135,6 +136,7 @@ def _request(model: Any, *, seq_len: int | None = None, target_batch_size: int,
                        trainer=trainer, lengths=profile)
 
 
+@spare_the_collector()
 def plan_training(model: Any, *, seq_len: int | None = None, target_batch_size: int,
                   device: Any = None,
                   num_gpus: int | None = None, method: str = "auto", headroom: float | None = None,

@@ -1,6 +1,6 @@
 """Find the fastest candidate that fits: price every candidate, reject what cannot fit on cheap
-lower bounds (model states alone; traces extrapolated in the micro-batch), and trace exactly
-before accepting.
+lower bounds (model states alone; a step's forward alone, traced without its backward), and trace
+exactly before accepting.
 
 Candidates are estimated in order of method preference (the ladder), then tier (DDP or sharding,
 then offload as the last rung), then predicted speed; a method stops at its fastest fit. Pure bf16
@@ -61,6 +61,7 @@ class Search:
     _priced: set[str] = field(default_factory=set)
     _tried: set[tuple] = field(default_factory=set)      # groups with a candidate tried
     _probes: dict[tuple, MemoryEstimate] = field(default_factory=dict)  # smallest's forward
+    _forwards: dict[tuple, dict[int, int]] = field(default_factory=dict)  # micro-batch: forward
 
     def setup_of(self, c: Candidate, eval_batch: int | None = None) -> TrainingSetup:
         with warnings.catch_warnings():
@@ -70,15 +71,14 @@ class Search:
         rows = self.req.lengths.rows if c.padding_free and self.req.lengths else ()
         return with_lengths(setup, rows, None)[0] if rows else setup
 
-    def estimate(self, c: Candidate, *, exact: bool = True, stage: str = "train",
+    def estimate(self, c: Candidate, *, stage: str = "train",
                  setup: TrainingSetup | None = None, probe: bool = False,
                  judge: bool = True) -> MemoryEstimate:
         """``judge``: the smallest capacity is searched only where the verdict against the
         budget depends on it; ``judge=False`` always (what ``estimate_memory`` reports)."""
         spec = self.book.get(c.method, c.precision)[0]
         return estimate_for(spec, setup or self.setup_of(c), self.req.dev,
-                            seq_len=self.req.seq_len, stage=stage, cache=self.cache, exact=exact,
-                            probe=probe, cuda_version=self.req.cuda_version,
+                            seq_len=self.req.seq_len, stage=stage, cache=self.cache, probe=probe, cuda_version=self.req.cuda_version,
                             fit_budget=self.budget if judge else None)
 
     # -- pricing and the cheap bound ----------------------------------------------------------
@@ -134,25 +134,25 @@ class Search:
 
         Where its group looks ample (``_ample``), the first candidate tried (the fastest split
         of the setup, the one chosen when memory is ample) is traced exactly at once: one
-        trace. Otherwise ``c`` is bounded by the group's micro-batch line (two traces shared by
-        every split, which are also the exact traces of the two smallest) and traced exactly
-        only where the bound fits."""
+        trace. Otherwise ``c`` is rejected by its own forward where the group's probe says its
+        forward likely misses (``_forward_misses``), else traced exactly. (No line through two
+        micro-batches bounds a third: ``TraceCache``.)"""
         setup, g = self.setup_of(c), _group(c)
         first = g not in self._tried
         self._tried.add(g)
         if first and self._ample(c):
             return self._record(c, self.estimate(c, setup=setup))
-        est = self.estimate(c, exact=False, setup=setup)
-        if est.lower_bound and est.upper <= self.budget:  # verify before accepting
-            est = self.estimate(c, setup=setup)
-        return self._record(c, est)
+        if self._forward_misses(c):
+            return False
+        return self._record(c, self.estimate(c, setup=setup))
 
     def _ample(self, c: Candidate) -> bool:
         """Whether ``c`` looks likely to fit: its group's smallest split scaled to ``c``'s
         micro-batch: from its exact estimate, only the activations and temporaries at its peak
         (model states, context and fragmentation stay); else from ``_smallest_fits``' forward
-        probe, everything but the model states. A guess that only orders the traces (exact
-        first, or the line first); every verdict still rests on a bound or an exact estimate."""
+        probe, everything but the model states. A guess that only orders the traces (``c``
+        first, or the group's smallest splits first); every verdict still rests on a bound or
+        an exact estimate."""
         small = self._smallest[_group(c)]
         ratio = c.micro_batch / small.micro_batch
         probe = self._probes.get(_group(c))  # exact where the step's trace was cached
@@ -165,6 +165,30 @@ class Search:
         _, rs, _ = self._states_of(c)
         states = rs.model_states + rs.buckets
         return states + max(0, probe.upper - states) * ratio <= self.budget
+
+    def _forward_misses(self, c: Candidate) -> bool:
+        """Where the group's forward probe, its activations and temporaries scaled from the
+        smallest split's micro-batch to ``c``'s, says that ``c``'s forward alone likely misses:
+        ``c``'s own forward-only trace (a fifth of a two-micro-step trace, a third of a
+        one-step one), a lower bound that rejects ``c`` where it misses. Elsewhere no trace:
+        ``c`` is bounded or traced as before."""
+        g = _group(c)
+        probe, small = self._probes.get(g), self._smallest[g]
+        if probe is None or not probe.lower_bound or c.micro_batch <= small.micro_batch:
+            return False
+        grown = probe.breakdown.get("activations", 0) + probe.breakdown.get("temporaries", 0)
+        if probe.upper + grown * (c.micro_batch / small.micro_batch - 1) <= self.budget:
+            return False
+        seen = self._forwards.setdefault(g, {small.micro_batch: probe.upper})
+        below = max((b for b in seen if b < c.micro_batch), default=None)
+        above = min((b for b in seen if b > c.micro_batch), default=None)
+        if below is not None and above is not None and seen[below] + (
+                seen[above] - seen[below]) * (c.micro_batch - below) // (above - below) \
+                <= self.budget:  # convex in the micro-batch: the chord guesses it from above
+            return False
+        est = self.estimate(c, probe=True)
+        seen[c.micro_batch] = est.upper
+        return est.lower_bound and not self._record(c, est)
 
     def _record(self, c: Candidate, est: MemoryEstimate) -> bool:
         c.estimate, c.device_used, c.peak_allocated = est, est.device_used, est.peak_allocated
@@ -187,11 +211,9 @@ class Search:
         does not fit (bounded from below by its forward alone: a forward-only trace shared by
         the whole group), no larger one does, and ``c`` is rejected without a trace of its own.
         Where the group does not look ample, or a faster split has failed, the smallest is traced
-        exactly (one of the micro-batch line's two traces), which settles the group before the
-        line's second; or, where the probe says the smallest likely fits (``_forward_bound``),
-        the next split up (the line's second trace): where it does not fit, no larger one does,
-        and the smallest (the slowest split) is traced only when the search reaches it or the
-        line needs it."""
+        exactly, which settles the group; or, where the probe says the smallest likely fits
+        (``_forward_bound``), the next split up: where it does not fit, no larger one does, and
+        the smallest (the slowest split) is traced only when the search reaches it."""
         g = _group(c)
         small = self._smallest[g]
         if small is c:
@@ -201,8 +223,8 @@ class Search:
             if est.upper > self.budget:
                 self._record(small, est)
         if small.estimate is None and (g in self._tried or not self._ample(c)):
-            # the next split up is the line's second trace: where it does not fit, no larger
-            # one does, and the smallest (slower) is traced only when the search reaches it
+            # the next split up: where it does not fit, no larger one does, and the smallest
+            # (slower) is traced only when the search reaches it
             second = self._second.get(g) if self._forward_bound(g) else None
             if second is not None and second.micro_batch <= c.micro_batch:
                 if second is c:
@@ -290,13 +312,33 @@ class Search:
         ``eval_is_forward``: it holds no more than the train step that fits at that batch); else
         down to 1."""
         setup = self.setup_of(chosen)
-        b = 1 << (4 * chosen.micro_batch).bit_length() - 1
+        top = 1 << (4 * chosen.micro_batch).bit_length() - 1
         floor = 1 << chosen.micro_batch.bit_length() - 1 \
             if setup.trainer_kind.eval_is_forward else 1
-        while b > floor and self.estimate(chosen, stage="eval", setup=setup.replace(
-                eval_batch=b)).upper > self.budget:
+
+        def fits(b: int) -> bool:
+            est = self.estimate(chosen, stage="eval", setup=setup.replace(eval_batch=b))
+            return est.upper <= self.budget
+
+        if floor < top and self._tight(chosen):
+            # the eval step's memory grows with its batch: from the floor up, the first batch
+            # that does not fit ends the search (one trace where the next one up misses)
+            b = floor
+            while b < top and fits(2 * b):
+                b *= 2
+            return b
+        b = top
+        while b > floor and not fits(b):
             b //= 2
         return b
+
+    def _tight(self, chosen: Candidate) -> bool:
+        """Whether the budget leaves less room over the chosen train step than the step's own
+        activations and temporaries: the eval batch is then searched from its floor up
+        (it likely fits only a little above it), else from the top down (where it likely fits
+        at once). Only the order of the traces; the batch found is the same."""
+        est = chosen.estimate
+        return est is not None and self.budget - est.upper < est.upper - est.model_states
 
     def raise_impossible(self, candidates: list[Candidate]) -> NoReturn:
         """Say the smallest memory any setup needs, and which setup that is."""
