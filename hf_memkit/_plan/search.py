@@ -184,7 +184,7 @@ class Search:
         above = min((b for b in seen if b > c.micro_batch), default=None)
         if below is not None and above is not None and seen[below] + (
                 seen[above] - seen[below]) * (c.micro_batch - below) // (above - below) \
-                <= self.budget:  # convex in the micro-batch: the chord guesses it from above
+                <= self.budget:  # the chord between two forward probes: a guess, no bound
             return False
         est = self.estimate(c, probe=True)
         seen[c.micro_batch] = est.upper
