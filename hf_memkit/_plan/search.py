@@ -20,6 +20,7 @@ from .._estimate import MemoryEstimate, TraceCache, estimate_for
 from .._estimate.phases import states_for, trained_spec
 from .._methods import Method
 from .._setup.setup import TrainingSetup, normalize_args
+from .._techniques import TECHNIQUES
 from .._trainers.packing import with_lengths
 from .._units import format_bytes
 from .cost import Shape, cost
@@ -36,6 +37,11 @@ def _at_forward(rs) -> int:
     ``zero_grad``, unless one resident buffer), and the unsharded parameters gathered for it."""
     return (rs.weights + rs.optimizer + rs.buckets + rs.gathered_forward
             + (rs.gradients if rs.resident_gradients else 0))
+
+
+def _order(c: Candidate) -> tuple:
+    """The order a pool of the search tries its candidates in."""
+    return c.precision == PURE_BF16, c.rel_time
 
 
 def _group(c: Candidate) -> tuple:
@@ -62,6 +68,8 @@ class Search:
     _tried: set[tuple] = field(default_factory=set)      # groups with a candidate tried
     _probes: dict[tuple, MemoryEstimate] = field(default_factory=dict)  # smallest's forward
     _forwards: dict[tuple, dict[int, int]] = field(default_factory=dict)  # micro-batch: forward
+    _pool: set[int] = field(default_factory=set)     # the candidates ``run`` tries now
+    _fastest_fit: tuple | None = None                # the first of them known to fit (_order)
 
     def setup_of(self, c: Candidate, eval_batch: int | None = None) -> TrainingSetup:
         with warnings.catch_warnings():
@@ -197,6 +205,8 @@ class Search:
         # OOM) plus the margin of its uncertain terms
         c.fits = est.upper <= self.budget and (self.host_budget is None
                                                or host <= self.host_budget)
+        if c.fits and id(c) in self._pool and not est.lower_bound:
+            self._fastest_fit = min(_order(c), self._fastest_fit or _order(c))
         if not c.fits:
             at_least = "at least " if est.needs_at_least else ""
             c.reason = (f"needs {at_least}{format_bytes(est.required)} (+ margin "
@@ -219,9 +229,13 @@ class Search:
         if small is c:
             return True
         if small.estimate is None and g not in self._probes:
-            est = self._probes[g] = self.estimate(small, probe=True)
-            if est.upper > self.budget:
-                self._record(small, est)
+            stand_in = self._stand_in_probe(g)
+            if stand_in is not None:  # its own probe would fit too: not traced
+                self._probes[g] = stand_in
+            else:
+                est = self._probes[g] = self.estimate(small, probe=True)
+                if est.upper > self.budget:
+                    self._record(small, est)
         if small.estimate is None and (g in self._tried or not self._ample(c)):
             # the next split up: where it does not fit, no larger one does, and the smallest
             # (slower) is traced only when the search reaches it
@@ -230,12 +244,14 @@ class Search:
                 if second is c:
                     return True
                 if second.estimate is None:
+                    if self._after_a_fit(second):
+                        return True
                     self._try(second)
                 if not second.fits:
                     c.reason = (f"a smaller micro-batch ({second.micro_batch}) already does not "
                                 f"fit: {second.reason}")
                     return False
-            else:
+            elif not self._after_a_fit(small):
                 self._try(small)
         if small.estimate is not None and not small.fits:
             c.reason = (f"a smaller micro-batch ({small.micro_batch}) already does not fit: "
@@ -255,6 +271,29 @@ class Search:
                 continue
             self.price(c)
             self._place(c)
+
+    def _after_a_fit(self, settler: Candidate) -> bool:
+        """Whether a split that would settle its group comes after a candidate of this pool
+        known to fit: the search never reaches it, so it is not traced to settle the group (the
+        faster split asking is then judged on its own)."""
+        return self._fastest_fit is not None and _order(settler) >= self._fastest_fit
+
+    def _stand_in_probe(self, g: tuple) -> MemoryEstimate | None:
+        """The probe of the group ``g`` is without one of its techniques whose forward is like
+        the setup's without it (``Technique.forward_like``: activation offloading), where that
+        probe fits: ``g``'s own forward holds no more, so its probe would fit too and reject
+        nothing. It stands in for ``g``'s in the guesses that order the traces (``_ample``,
+        ``_forward_bound``, ``_forward_misses``), never as a bound: a verdict on ``g`` still
+        rests on its own traces."""
+        method, precision, optim, techniques, parallel, attn = g
+        for t in techniques:
+            if not TECHNIQUES.get(t).forward_like:
+                continue
+            probe = self._probes.get((method, precision, optim,
+                                      tuple(x for x in techniques if x != t), parallel, attn))
+            if probe is not None and probe.upper <= self.budget:
+                return probe
+        return None
 
     def _forward_bound(self, g: tuple) -> bool:
         """Whether the group's probe was bounded by its forward (not by the optimizer step,
@@ -281,8 +320,8 @@ class Search:
             for own_optim, tier in ((True, 0), (True, 1), (False, 0), (False, 1)):
                 pool = sorted((c for c in candidates if c.method == meth.name and not c.reason
                                and rung_of(c.parallel).tier == tier
-                               and (c.optim == mine) == own_optim),
-                              key=lambda c: (c.precision == PURE_BF16, c.rel_time))
+                               and (c.optim == mine) == own_optim), key=_order)
+                self._pool, self._fastest_fit = {id(c) for c in pool}, None
                 chosen = next((c for c in pool if not c.reason and self._smallest_fits(c)
                                and self._try(c)), None)
                 if chosen is not None:

@@ -110,6 +110,9 @@ class CheckpointOffload(Technique):
     requires = ("activation_checkpointing",)
     missing = "transformers >= 5.17 (activation_checkpointing_kwargs={'offload': True})"
     ladder = 40
+    # the forward moves each checkpointed layer's saved input to the host (one hidden state per
+    # layer) and holds no new device tensor
+    forward_like = True
 
     def read(self, explicit: Mapping[str, Any],
              get: Callable[[str], Any]) -> dict[str, Any] | None:
