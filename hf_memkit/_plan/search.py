@@ -184,8 +184,12 @@ class Search:
         probe, small = self._probes.get(g), self._smallest[g]
         if probe is None or not probe.lower_bound or c.micro_batch <= small.micro_batch:
             return False
-        grown = probe.breakdown.get("activations", 0) + probe.breakdown.get("temporaries", 0)
-        if probe.upper + grown * (c.micro_batch / small.micro_batch - 1) <= self.budget:
+        # the probe's forward less what it holds before any activation, scaled (its peak may
+        # be the optimizer step, whose breakdown says nothing of the activations)
+        forward = probe.phase_peaks.get("forward", 0)
+        grown = max(0, forward - _at_forward(self._states_of(c)[1]))
+        scaled = forward + grown * (c.micro_batch / small.micro_batch - 1)
+        if probe.upper + max(0, scaled - max(probe.phase_peaks.values())) <= self.budget:
             return False
         seen = self._forwards.setdefault(g, {small.micro_batch: probe.upper})
         below = max((b for b in seen if b < c.micro_batch), default=None)
@@ -359,7 +363,7 @@ class Search:
             est = self.estimate(chosen, stage="eval", setup=setup.replace(eval_batch=b))
             return est.upper <= self.budget
 
-        if floor < top and self._tight(chosen):
+        if floor < top and self._tight(chosen, 2 * floor):
             # the eval step's memory grows with its batch: from the floor up, the first batch
             # that does not fit ends the search (one trace where the next one up misses)
             b = floor
@@ -371,13 +375,18 @@ class Search:
             b //= 2
         return b
 
-    def _tight(self, chosen: Candidate) -> bool:
-        """Whether the budget leaves less room over the chosen train step than the step's own
-        activations and temporaries: the eval batch is then searched from its floor up
-        (it likely fits only a little above it), else from the top down (where it likely fits
-        at once). Only the order of the traces; the batch found is the same."""
+    def _tight(self, chosen: Candidate, batch: int) -> bool:
+        """Whether the eval step at ``batch`` likely misses: the chosen train step's weights and
+        context, and its activations and temporaries scaled to ``batch`` (an eval step keeps
+        no gradients or optimizer state in the estimate, and saves no activations for a
+        backward: a guess from above). The eval batch is then searched from its floor up, else
+        from the top down. Only the order of the traces; the batch found is the same."""
         est = chosen.estimate
-        return est is not None and self.budget - est.upper < est.upper - est.model_states
+        if est is None:
+            return False
+        b = est.breakdown
+        grown = (b.get("activations", 0) + b.get("temporaries", 0)) * batch / chosen.micro_batch
+        return b.get("weights", 0) + b.get("context", 0) + grown > self.budget
 
     def raise_impossible(self, candidates: list[Candidate]) -> NoReturn:
         """Say the smallest memory any setup needs, and which setup that is."""
