@@ -77,7 +77,7 @@ def _finish(s: Search, cands: list[Candidate], chosen: Candidate) -> Plan:
             c.reason = "not estimated: slower than the chosen setup" if (
                 c.method == chosen.method) else (
                 "not needed: a full fine-tuning setup fits" if chosen.method == "full"
-                else "not estimated")
+                else f"not needed: a {chosen.method} setup fits (earlier in the method ladder)")
     base_time = chosen.rel_time
     # on first use, with the chosen setup's own predicted time (rel_time is made relative below)
     ladder = functools.partial(ladder_savings, s, dataclasses.replace(chosen, rel_time=base_time))

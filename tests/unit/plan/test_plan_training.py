@@ -342,3 +342,19 @@ def test_a_sequence_past_the_positions_is_refused_or_warned_as_transformers_woul
                                           device=cpu(8 * GiB))):
         with pytest.raises(mk.HfMemkitError, match="learned position embeddings \\(1024\\)"):
             call()
+
+
+def test_setups_of_methods_the_ladder_never_reached_say_why():
+    """Where LoRA fits, the 8-bit and 4-bit methods after it in the ladder are never estimated;
+    their rows say so (they said only "not estimated")."""
+    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2752, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=8, vocab_size=8000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = mk.plan_training(cfg, seq_len=128, target_batch_size=8, device="A100-80GB",
+                             max_memory=int(1.5 * GiB))
+    assert p.chosen.method == "lora"
+    later = [c for c in p.candidates if c.method in ("lora-8bit", "qlora", "fsdp-qlora")]
+    assert later and all(c.estimate is None for c in later)
+    assert {c.reason for c in later} == {
+        "not needed: a lora setup fits (earlier in the method ladder)"}
