@@ -86,7 +86,8 @@ class Search:
         budget depends on it; ``judge=False`` always (what ``estimate_memory`` reports)."""
         spec = self.book.get(c.method, c.precision)[0]
         return estimate_for(spec, setup or self.setup_of(c), self.req.dev,
-                            seq_len=self.req.seq_len, stage=stage, cache=self.cache, probe=probe, cuda_version=self.req.cuda_version,
+                            seq_len=self.req.seq_len, stage=stage, cache=self.cache, probe=probe,
+                            cuda_version=self.req.cuda_version,
                             fit_budget=self.budget if judge else None)
 
     # -- pricing and the cheap bound ----------------------------------------------------------
@@ -175,11 +176,12 @@ class Search:
         return states + max(0, probe.upper - states) * ratio <= self.budget
 
     def _forward_misses(self, c: Candidate) -> bool:
-        """Where the group's forward probe, its activations and temporaries scaled from the
-        smallest split's micro-batch to ``c``'s, says that ``c``'s forward alone likely misses:
-        ``c``'s own forward-only trace (a fifth of a two-micro-step trace, a third of a
-        one-step one), a lower bound that rejects ``c`` where it misses. Elsewhere no trace:
-        ``c`` is bounded or traced as before."""
+        """Where a guess says that ``c``'s forward alone likely misses: ``c``'s own forward-only
+        trace (a fifth of a two-micro-step trace, a third of a one-step one), a lower bound that
+        rejects ``c`` where it misses. The guess: the group probe's forward phase less what the
+        forward holds before any activation, scaled from the smallest split's micro-batch to
+        ``c``'s; not where the chord between two forward probes of the group says it fits.
+        Elsewhere no trace here (``_try`` then traces ``c`` exactly)."""
         g = _group(c)
         probe, small = self._probes.get(g), self._smallest[g]
         if probe is None or not probe.lower_bound or c.micro_batch <= small.micro_batch:
@@ -283,8 +285,8 @@ class Search:
         return self._fastest_fit is not None and _order(settler) >= self._fastest_fit
 
     def _stand_in_probe(self, g: tuple) -> MemoryEstimate | None:
-        """The probe of the group ``g`` is without one of its techniques whose forward is like
-        the setup's without it (``Technique.forward_like``: activation offloading), where that
+        """The probe of the group ``g`` without one of its techniques whose forward is like the
+        setup's without it (``Technique.forward_like``: activation offloading), where that
         probe fits: ``g``'s own forward holds no more, so its probe would fit too and reject
         nothing. It stands in for ``g``'s in the guesses that order the traces (``_ample``,
         ``_forward_bound``, ``_forward_misses``), never as a bound: a verdict on ``g`` still
