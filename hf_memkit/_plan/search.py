@@ -66,7 +66,8 @@ class Search:
     _states: dict[tuple, tuple] = field(default_factory=dict)
     _priced: set[str] = field(default_factory=set)
     _tried: set[tuple] = field(default_factory=set)      # groups with a candidate tried
-    _probes: dict[tuple, MemoryEstimate] = field(default_factory=dict)  # smallest's forward
+    # the smallest split's forward probe, or the one standing in for it (_stand_in_probe)
+    _probes: dict[tuple, MemoryEstimate] = field(default_factory=dict)
     _forwards: dict[tuple, dict[int, int]] = field(default_factory=dict)  # micro-batch: forward
     _pool: set[int] = field(default_factory=set)     # the candidates ``run`` tries now
     _fastest_fit: tuple | None = None                # the first of them known to fit (_order)
@@ -350,12 +351,12 @@ class Search:
         warnings.warn(msg, UserWarning, stacklevel=3)
 
     def eval_batch(self, chosen: Candidate) -> int:
-        """The largest power of two (<= 4 x the micro-batch) whose eval step fits, traced
-        exactly from the top down (a trace on fake tensors costs the same at any batch, and the
-        largest usually fits: one trace). Down to the micro-batch's own power of two, which is
-        not traced where the eval step is the train step's forward and loss (the trainer's
-        ``eval_is_forward``: it holds no more than the train step that fits at that batch); else
-        down to 1."""
+        """The largest power of two (<= 4 x the micro-batch) whose eval step fits, each traced
+        exactly: from the floor up where the eval just above the floor likely misses
+        (``_tight``), else from the top down (the largest usually fits: one trace). The floor
+        is the micro-batch's own power of two, which is not traced where the eval step is the
+        train step's forward and loss (the trainer's ``eval_is_forward``: it holds no more than
+        the train step that fits at that batch); else 1."""
         setup = self.setup_of(chosen)
         top = 1 << (4 * chosen.micro_batch).bit_length() - 1
         floor = 1 << chosen.micro_batch.bit_length() - 1 \
