@@ -253,7 +253,11 @@ class TraceCache:
               target: CudaTarget | None = None) -> Excess:
         """A train step bounded from below by its first forward alone (a forward-only trace
         costs about a third of a full one): the forward phase is exact, the backward is left
-        out. The full trace instead when it is cached (or for eval)."""
+        out. An accumulating step's second micro-step runs the same forward with the gradients
+        of the first alive: its ``forward_accum`` excess (over weights, inputs and gradients)
+        is the first forward's (checked against two-micro-step traces in
+        tests/unit/estimate/test_probe.py), so the probe bounds that phase too. The full trace
+        instead when it is cached (or for eval)."""
         accum = 2 if stage == "train" and setup.grad_accum > 1 else 1
         key = self.key(spec, setup, seq_len=seq_len, stage=stage, target_len=target_len,
                        padded=padded, target=target) + (accum,)
@@ -267,8 +271,11 @@ class TraceCache:
                                           stage=stage, target_len=target_len, padded=padded,
                                           forward_only=True, target=target)
         e = self._store[k]
-        return Excess(dict(e.phases), e.categories, e.inputs * setup.grad_accum, e.seconds,
-                      e.layers, lower_bound=True, sdpa_kernels=e.sdpa_kernels, host=e.host,
+        phases, cats = dict(e.phases), dict(e.categories)
+        if accum > 1:
+            phases["forward_accum"], cats["forward_accum"] = phases["forward"], cats["forward"]
+        return Excess(phases, cats, e.inputs * setup.grad_accum, e.seconds, e.layers,
+                      lower_bound=True, sdpa_kernels=e.sdpa_kernels, host=e.host,
                       cuda_dropout=e.cuda_dropout)
 
 

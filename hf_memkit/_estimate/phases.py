@@ -183,6 +183,7 @@ def _train_phases(ex: Excess, xp: dict[str, int], rs: RankStates) -> dict[str, i
     phases["optimizer step"] = base + G + rs.optimizer_transient
     if "forward_accum" in xp:
         phases["forward (accumulating)"] = base + G_acc + gf + xp["forward_accum"]
+    if "backward_accum" in xp:
         phases["backward (accumulating)"] = base + G_acc + gb + gbuf + xp["backward_accum"]
     return phases
 

@@ -1,6 +1,7 @@
 """Find the fastest candidate that fits: price every candidate, reject what cannot fit on cheap
-lower bounds (model states alone; a step's forward alone, traced without its backward), and trace
-exactly before accepting.
+lower bounds (model states alone; a step's forward alone, traced without its backward, which for
+an accumulating step also bounds its second micro-step's forward, the first's with the gradients
+alive), and trace exactly before accepting.
 
 Candidates are estimated in order of method preference (the ladder), then tier (DDP or sharding,
 then offload as the last rung), then predicted speed; a method stops at its fastest fit. Pure bf16
@@ -160,9 +161,9 @@ class Search:
         """Whether ``c`` looks likely to fit: its group's smallest split scaled to ``c``'s
         micro-batch: from its exact estimate, only the activations and temporaries at its peak
         (model states, context and fragmentation stay); else from ``_smallest_fits``' forward
-        probe, everything but the model states. A guess that only orders the traces (``c``
-        first, or the group's smallest splits first); every verdict still rests on a bound or
-        an exact estimate."""
+        probe, its forward grown to ``c``'s micro-batch (``_forward_guess``). A guess that only
+        orders the traces (``c`` first, or the group's smallest splits first); every verdict
+        still rests on a bound or an exact estimate."""
         small = self._smallest[_group(c)]
         ratio = c.micro_batch / small.micro_batch
         probe = self._probes.get(_group(c))  # exact where the step's trace was cached
@@ -170,11 +171,23 @@ class Search:
         if est is not None and not est.lower_bound and est.peak_phase != "optimizer step":
             scaled = est.breakdown.get("activations", 0) + est.breakdown.get("temporaries", 0)
             return est.upper + scaled * (ratio - 1) <= self.budget
-        if probe is None:  # a forward bound may peak at the optimizer step: scale it all
+        if probe is None:
             return False
-        _, rs, _ = self._states_of(c)
-        states = rs.model_states + rs.buckets
-        return states + max(0, probe.upper - states) * ratio <= self.budget
+        return self._forward_guess(c, probe, small) <= self.budget
+
+    def _forward_guess(self, c: Candidate, probe: MemoryEstimate, small: Candidate) -> int:
+        """``c``'s upper as its forward alone would need it, from the group's forward probe
+        at the smallest split ``small``: the probe's forward less what it holds before any
+        activation (``_at_forward``), scaled to ``c``'s micro-batch (the probe's peak may be
+        the optimizer step, whose breakdown says nothing of the activations); where ``c``
+        accumulates, its second micro-step's forward grows the same on top of the gradients.
+        A guess: the backward is not in it."""
+        peaks = probe.phase_peaks
+        forward = peaks.get("forward", 0)
+        grown = max(0, forward - _at_forward(self._states_of(c)[1]))
+        own = peaks.get("forward (accumulating)", forward) if c.grad_accum > 1 else forward
+        scaled = own + grown * (c.micro_batch / small.micro_batch - 1)
+        return probe.upper + max(0, scaled - max(peaks.values()))
 
     def _forward_misses(self, c: Candidate) -> bool:
         """Where a guess says that ``c``'s forward alone likely misses: ``c``'s own forward-only
@@ -187,12 +200,7 @@ class Search:
         probe, small = self._probes.get(g), self._smallest[g]
         if probe is None or not probe.lower_bound or c.micro_batch <= small.micro_batch:
             return False
-        # the probe's forward less what it holds before any activation, scaled (its peak may
-        # be the optimizer step, whose breakdown says nothing of the activations)
-        forward = probe.phase_peaks.get("forward", 0)
-        grown = max(0, forward - _at_forward(self._states_of(c)[1]))
-        scaled = forward + grown * (c.micro_batch / small.micro_batch - 1)
-        if probe.upper + max(0, scaled - max(probe.phase_peaks.values())) <= self.budget:
+        if self._forward_guess(c, probe, small) <= self.budget:
             return False
         seen = self._forwards.setdefault(g, {small.micro_batch: probe.upper})
         below = max((b for b in seen if b < c.micro_batch), default=None)

@@ -73,17 +73,35 @@ def test_plan_matches_an_exhaustive_exact_search(device, budget_mib):
     ("A100-80GB", {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2,
                    "bf16": True, "activation_checkpointing": True}),
     ("A100-80GB", {"per_device_train_batch_size": 16, "bf16": True}),
+    # pure bf16 (no fp32 masters) sharded by FSDP2, accumulating; 6 blocks, traced at 2 and 3
+    # and extrapolated: the probe's accumulating forward is the real second micro-step's
+    ("A100-80GB", {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4,
+                   "activation_checkpointing": True, "fsdp": "full_shard auto_wrap",
+                   "fsdp_config": {"version": 2,
+                                   "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+                   "layers": 6, "dtype": "bfloat16"}),
 ])
 def test_forward_probe_bounds_the_step_from_below(device, args):
-    spec = resolve_model(TINY)
+    args = dict(args)
+    layers, dtype = args.pop("layers", None), args.pop("dtype", None)
+    config = TINY if layers is None else LlamaConfig(**{**TINY.to_dict(),
+                                                       "num_hidden_layers": layers})
+    spec = resolve_model(config, **({"dtype": dtype} if dtype else {}))
     dev = mk.get_device(device)
-    setup = normalize_args(args)
+    setup = normalize_args(args, num_gpus=2 if "fsdp" in args else None)
     cache = TraceCache()
     probe = estimate_for(spec, setup, dev, seq_len=SEQ, cache=cache, probe=True)
     exact = estimate_for(spec, setup, dev, seq_len=SEQ)
     assert probe.lower_bound and not exact.lower_bound
     assert probe.device_used <= exact.device_used and probe.upper <= exact.upper
-    assert probe.peak_phase in ("forward", "optimizer step")
+    assert probe.peak_phase in ("forward", "forward (accumulating)", "optimizer step")
+    # the second micro-step's forward is the first's with the first's gradients alive: the
+    # probe, which traced the first forward alone, has it to the byte
+    accumulating = "forward (accumulating)"
+    assert (accumulating in probe.phase_peaks) == (setup.grad_accum > 1)
+    if setup.grad_accum > 1:
+        assert probe.phase_peaks[accumulating] == exact.phase_peaks[accumulating]
+        assert probe.phase_peaks[accumulating] > probe.phase_peaks["forward"]
     # with the full trace cached, the probe is the exact estimate
     estimate_for(spec, setup, dev, seq_len=SEQ, cache=cache)
     again = estimate_for(spec, setup, dev, seq_len=SEQ, cache=cache, probe=True)
