@@ -41,7 +41,7 @@ def _spec(name: str, mode: str, *, fsdp: dict[str, Any] | None = None,
 
 
 def cases() -> list[dict[str, Any]]:
-    """~9 per-rank cases over ``NPROC`` gloo ranks; ``name`` is the row label (ignored by the
+    """~10 per-rank cases over ``NPROC`` gloo ranks; ``name`` is the row label (ignored by the
     measurement). FSDP2 cases wrap ``LlamaDecoderLayer`` as accelerate does."""
     wrap = ["LlamaDecoderLayer"]
     return [
@@ -51,6 +51,13 @@ def cases() -> list[dict[str, Any]]:
               fsdp={"reshard_after_forward": True, "transformer_layer_cls_to_wrap": wrap}),
         _spec("fsdp2-shard-grad-op", "fsdp2",
               fsdp={"reshard_after_forward": False, "transformer_layer_cls_to_wrap": wrap}),
+        # accumulating with a reduce-scatter every micro-batch (accelerate's sync_each_batch,
+        # what a plan sets): the second micro-step's backward holds the sharded gradients
+        _spec("fsdp2-full-shard-ckpt-accum4-sync", "fsdp2",
+              fsdp={"reshard_after_forward": True, "activation_checkpointing": True,
+                    "transformer_layer_cls_to_wrap": wrap},
+              gradient_accumulation_steps=4,
+              accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": True}}),
         _spec("fsdp2-full-shard-offload", "fsdp2",
               fsdp={"reshard_after_forward": True, "offload": True,
                     "transformer_layer_cls_to_wrap": wrap}),

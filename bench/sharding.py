@@ -152,6 +152,8 @@ def _our_args(spec: dict) -> dict:
                                "reshard_after_forward": f.get("reshard_after_forward", True),
                                "cpu_offload": bool(f.get("offload")),
                                "transformer_layer_cls_to_wrap": f["transformer_layer_cls_to_wrap"]}
+        if f.get("activation_checkpointing"):
+            args["fsdp_config"]["activation_checkpointing"] = True
         if f.get("mixed_precision") == "bf16":
             args["bf16"] = True
     if spec["mode"] == "deepspeed":

@@ -203,8 +203,15 @@ def _step(spec: ModelSpec, trace_spec: ModelSpec, setup: TrainingSetup, ex: Exce
     if sharded:
         for key in ("backward", "backward_accum"):
             if key in xp:
-                traced = ex.categories.get(key, {}).get("Gradient", 0)
-                xp[key] += int(traced * grad_factor) - traced
+                # the gradients this backward made. An accumulating micro-step's category also
+                # counts the ones the previous micro-steps left, which its excess holds out:
+                # where they are sharded (G_acc), only the new ones are scaled; unsharded
+                # (FSDP's no_sync) they are reduce-scattered in the syncing micro-step as it
+                # goes, and the category is scaled whole
+                held = traced_total if key.endswith("_accum") and rs.accum_gradients is None \
+                    else 0
+                made = max(0, ex.categories.get(key, {}).get("Gradient", 0) - held)
+                xp[key] += int(made * grad_factor) - made
     G_acc = rs.gradients if rs.accum_gradients is None else rs.accum_gradients
     if stage == "train":
         phases = _train_phases(ex, xp, rs)

@@ -182,6 +182,8 @@ def _run_fsdp2(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
     optimizer = optim_cls([p for p in model.parameters() if p.requires_grad], **optim_kwargs)
 
     mb, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    sync_each = bool(args.accelerator_config.gradient_accumulation_kwargs.get("sync_each_batch")) \
+        if args.accelerator_config.gradient_accumulation_kwargs else False
     data = examples(spec, model.config, mb * accum * steps, seed=1 + rank)
     batches = [{k: torch.stack([x[k] for x in data[i:i + mb]]) for k in data[0]}
                for i in range(0, len(data), mb)]
@@ -193,7 +195,9 @@ def _run_fsdp2(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
         opened = open_window(alive_cpu_tensor_bytes())
         total = torch.zeros(())
         for i, batch in enumerate(micro):
-            model.set_requires_gradient_sync(i == len(micro) - 1)
+            # accelerate's accumulate(): no_sync but on the last micro-batch, unless the
+            # accelerator_config's gradient_accumulation_kwargs say sync_each_batch
+            model.set_requires_gradient_sync(sync_each or i == len(micro) - 1)
             loss = model(**batch).loss / len(micro)
             loss.backward()
             total += loss.detach()

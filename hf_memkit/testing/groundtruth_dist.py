@@ -46,7 +46,8 @@ Modes (``spec["mode"]``):
         the sharded parameters (accelerate builds it first and swaps the parameters in;
         same tensors). The loop follows the Trainer's: the step's micro-batches fetched first,
         forward with labels, ``loss / accumulation`` backward, ``set_requires_gradient_sync(False)``
-        on all but the last micro-batch (accelerate's ``no_sync`` for FSDP2),
+        on all but the last micro-batch (accelerate's ``no_sync`` for FSDP2; on none where the
+        args' ``accelerator_config`` has ``gradient_accumulation_kwargs.sync_each_batch``),
         ``clip_grad_norm_(max_grad_norm)`` when > 0, ``optimizer.step()``,
         ``zero_grad(set_to_none=True)``. The learning rate is constant (a schedule holds no memory).
 
