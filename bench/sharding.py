@@ -217,7 +217,10 @@ def vs_runs(console: Console, measured_path: str | None) -> list[dict]:
 
 def planner_choices(console: Console) -> list[dict]:
     table = Table(title="4. planner: Llama-3.1-70B, seq 4096, target batch 64")
-    for col in ("hardware", "engine", "chosen", "per GPU", "host RAM / node", "plan s"):
+    # per GPU: what the step needs (the smallest memory its replay runs in) + its margin, what
+    # the plan judges against the budget
+    for col in ("hardware", "engine", "chosen", "needs + margin per GPU", "host RAM / node",
+                "plan s"):
         table.add_column(col)
     rows = []
     for dev, n, engine, host in (("H100-80GB", 8, "auto", None),
@@ -243,11 +246,13 @@ def planner_choices(console: Console) -> list[dict]:
         secs = time.perf_counter() - t0
         host = p.parallel.get("host_memory_per_node", 0)
         engine = label
+        est = p.chosen.estimate
         rows.append({"hardware": f"{n} x {dev}", "engine": engine, "chosen": p.chosen.label(),
-                     "device_used": p.chosen.device_used, "host_per_node": host,
+                     "device_used": p.chosen.device_used, "required": est.required,
+                     "margin": est.upper - est.required, "host_per_node": host,
                      "method": p.chosen.method, "seconds": secs})
         table.add_row(f"{n} x {dev}", engine, p.chosen.label(),
-                      f"{p.chosen.device_used / GiB:.1f} GiB",
+                      f"{est.required / GiB:.1f} + {(est.upper - est.required) / GiB:.1f} GiB",
                       f"{host / GiB:.0f} GiB" if host else "-", f"{secs:.1f}")
     console.print(table)
     return rows

@@ -173,6 +173,9 @@ def _run_fsdp2(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
                    "activation_checkpointing": bool(fs.get("activation_checkpointing", False))}
     bf16 = fs.get("mixed_precision") == "bf16" or bool(spec.get("args", {}).get("bf16"))
     args = _training_args(spec, workdir, steps, fsdp=True, fsdp_config=fsdp_config, bf16=bf16)
+    if args.gradient_checkpointing:  # the Trainer's, before accelerate prepares the model
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
     full_param_bytes = sum(tensor_bytes(p) for p in model.parameters())
     model, plugin = _fsdp2_prepare(model, args)
     model.train()
