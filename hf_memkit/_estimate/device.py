@@ -150,7 +150,10 @@ class _Replay:
         events, params, how = self._events()
         s = replay_step(events, params, **self.kw)
         on_device = s.peak_reserved
-        if self.device_capacity is not None and self.device_capacity < s.peak_reserved:
+        # no replay where the step's live bytes alone exceed the capacity: it cannot complete
+        # (a sharded engine's stream holds its states unsharded)
+        if self.device_capacity is not None and \
+                s.peak_allocated <= self.device_capacity < s.peak_reserved:
             r = replay_step(events, params, capacity=self.device_capacity, **self.kw)
             on_device = r.peak_reserved if not r.ooms else s.peak_reserved
         return self._result(s.peak_allocated, s.peak_reserved, on_device, how)

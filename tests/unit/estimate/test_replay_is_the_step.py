@@ -149,3 +149,49 @@ def test_checkpoint_offload_never_raises_device_used(clean_cuda_env, seq_len):
                                  {**args, "gradient_checkpointing_kwargs": {"offload": True}},
                                  **common)
     assert offload.device_used <= plain.device_used
+
+
+def test_a_stream_whose_live_bytes_exceed_the_device_is_not_replayed_against_it(
+        clean_cuda_env, monkeypatch):
+    """A sharded engine's stream holds its states unsharded: where its live bytes alone exceed
+    what the allocator may reserve on the device, a replay at that capacity cannot complete, so
+    none is run (device_used then takes the unconstrained replay, as after a failed one). The
+    skipped replay, run here, does fail."""
+    from hf_memkit._estimate import device
+
+    runs, real = [], device.replay_step
+
+    def spy(events, params, **kw):
+        s = real(events, params, **kw)
+        runs.append((kw.get("capacity"), s, events, params, kw))
+        return s
+
+    monkeypatch.setattr(device, "replay_step", spy)
+    fsdp = {"fsdp": "full_shard auto_wrap", "per_device_train_batch_size": 2, "bf16": True,
+            "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
+    # states dominate: 90 M parameters, a short sequence
+    cfg = LlamaConfig(**{**_config(2).to_dict(), "hidden_size": 1024, "intermediate_size": 2752,
+                         "vocab_size": 32000})
+    dev = mk.get_device("A100-80GB")
+    probe = mk.estimate_memory(cfg, fsdp, seq_len=64, device=dev, num_gpus=4,
+                               cuda_version="12.8")
+    unconstrained = runs[0][1]
+    # a device whose allocator capacity lies between what the rank needs and the unsharded
+    # stream's live bytes
+    context = probe.breakdown["context"] + CALIBRATION.alloc_const
+    need = probe.required - context
+    assert need < unconstrained.peak_allocated
+    small = dev.replace(total_memory=context + (need + unconstrained.peak_allocated) // 2)
+    runs.clear()
+    est = mk.estimate_memory(cfg, fsdp, seq_len=64, device=small, num_gpus=4,
+                             cuda_version="12.8")
+    assert probe.required < small.total_memory
+    _, s, events, params, kw = runs[0]
+    cap = small.total_memory - est.breakdown["context"] - CALIBRATION.alloc_const
+    assert s.peak_allocated > cap
+    # only the unconstrained replay and the smallest-capacity search, which stays within the
+    # stream's own range (from its live bytes up): none at the device's capacity
+    assert runs[0][0] is None
+    assert all(c is not None and c >= s.peak_allocated for c, *_ in runs[1:])
+    assert real(events, params, **{**kw, "capacity": cap}).ooms > 0
+    assert est.peak_reserved == probe.peak_reserved
