@@ -91,7 +91,8 @@ def smallest_capacity(events: list, params: tuple[int, ...], lo: int, hi: int,
 def allocator_fit(ex: Excess, spec: ModelSpec, om: OptimizerMemory,
                   workspaces: tuple[int, ...], stage: str, micro_steps: int = 1,
                   device_capacity: int | None = None,
-                  config: AllocatorConfig | None = None) -> Replayed | None:
+                  config: AllocatorConfig | None = None, live: int | None = None
+                  ) -> Replayed | None:
     """The step replayed through the caching-allocator model (None for a lower bound, which has
     no events). A model traced at full depth replays its own events; a deep model traced at 2
     and 3 blocks replays the stream ``allocation.full_depth_events`` builds for its full depth
@@ -99,7 +100,9 @@ def allocator_fit(ex: Excess, spec: ModelSpec, om: OptimizerMemory,
     replays nor their ratio transfers to the deep model). ``device_capacity``: what the
     allocator may reserve on the device (its memory less the context): reserved cannot grow past
     it, the allocator frees its cache and retries first. ``config``: the allocator options
-    (default: the environment's)."""
+    (default: the environment's). ``live``: the rank's own live bytes at its peak, where a
+    sharded engine's stream (states unsharded) holds more than the device: the replay on the
+    device then keeps the same headroom over its own live bytes."""
     if not ex.replays or ex.lower_bound:
         return None
     states = spec.states()[1]
@@ -110,12 +113,12 @@ def allocator_fit(ex: Excess, spec: ModelSpec, om: OptimizerMemory,
     # gathers of fp32 masters) replay their own gradients and optimizer steps
     sizes = tuple(p.nbytes for p in states)
     key = (round(state, 6), round(transient, 6), workspaces, config, stage, micro_steps,
-           device_capacity, sizes)
+           device_capacity, sizes, live)
     if key not in ex.replayed:
         full = layer_count(spec.config)
         kw = dict(state_ratio=state, transient_ratio=transient, workspaces=workspaces,
                   optimizer=stage == "train", micro_steps=micro_steps, config=config)
-        run = _Replay(ex, full, sizes, kw, device_capacity)
+        run = _Replay(ex, full, sizes, kw, device_capacity, live)
         ex.replayed[key] = run.stored() or run.replayed()
     return ex.replayed[key]
 
@@ -130,13 +133,15 @@ class _Replay:
     states: tuple[int, ...]      # bytes of each trainable parameter at full depth
     kw: dict[str, Any]
     device_capacity: int | None
+    live: int | None = None
     key: str | None = None
 
     def __post_init__(self) -> None:
         if self.ex.stored_as is not None and store.enabled():
             self.key = store.make_key({"trace": self.ex.stored_as, "full": self.full,
                                        "states": self.states, "kw": self.kw,
-                                       "device_capacity": self.device_capacity})
+                                       "device_capacity": self.device_capacity,
+                                       "live": self.live})
 
     def _events(self) -> tuple[list, tuple[int, ...], str]:
         if "events" not in self.ex.replayed:  # the same for every optimizer and stage
@@ -149,12 +154,15 @@ class _Replay:
     def replayed(self) -> Replayed:
         events, params, how = self._events()
         s = replay_step(events, params, **self.kw)
-        on_device = s.peak_reserved
+        on_device, cap = s.peak_reserved, self.device_capacity
+        if cap is not None and self.live is not None and s.peak_allocated > cap:
+            # the stream holds more than the rank (a sharded engine's states unsharded): the
+            # same headroom over its own live bytes, as ``required`` carries its smallest
+            # capacity over; none where the rank's live bytes exceed the device
+            cap = cap + s.peak_allocated - self.live if self.live < cap else None
         # no replay where the step's live bytes alone exceed the capacity: it cannot complete
-        # (a sharded engine's stream holds its states unsharded)
-        if self.device_capacity is not None and \
-                s.peak_allocated <= self.device_capacity < s.peak_reserved:
-            r = replay_step(events, params, capacity=self.device_capacity, **self.kw)
+        if cap is not None and s.peak_allocated <= cap < s.peak_reserved:
+            r = replay_step(events, params, capacity=cap, **self.kw)
             on_device = r.peak_reserved if not r.ooms else s.peak_reserved
         return self._result(s.peak_allocated, s.peak_reserved, on_device, how)
 
@@ -317,7 +325,7 @@ def _capacity(dev: DeviceInfo, conf: AllocatorConfig, outside: int) -> int | Non
 
 def _fit(ex: Excess, spec: ModelSpec, om: OptimizerMemory, workspaces: tuple[int, ...],
          stage: str, micro_steps: int, capacity: int | None,
-         conf: AllocatorConfig) -> tuple[Replayed | None, int, int]:
+         conf: AllocatorConfig, live: int) -> tuple[Replayed | None, int, int]:
     """(the replay, 0, what ``roundup_power2_divisions`` adds to its peak allocated over 512 B
     rounding); under backend:cudaMallocAsync (None, what the caching allocator with torch's
     defaults would add on the step, 0): that backend is not the caching allocator, so nothing
@@ -326,10 +334,10 @@ def _fit(ex: Excess, spec: ModelSpec, om: OptimizerMemory, workspaces: tuple[int
     if conf.backend == "cudaMallocAsync":
         scale = replay(None, AllocatorConfig())
         return None, max(0, scale.peak_reserved - scale.peak_allocated) if scale else 0, 0
-    fit = replay(capacity, conf)
+    fit = replay(capacity, conf, live)
     if fit is None or not conf.roundup_power2_divisions:
         return fit, 0, 0
-    plain = replay(capacity, dataclasses.replace(conf, roundup_power2_divisions=()))
+    plain = replay(capacity, dataclasses.replace(conf, roundup_power2_divisions=()), live)
     return fit, 0, max(0, fit.peak_allocated - plain.peak_allocated)
 
 
@@ -395,7 +403,7 @@ def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: Optimize
     outside = context + nccl + resident + CALIBRATION.alloc_const  # not in the replay
     conf = AllocatorConfig.from_env()
     fit, pool, rounding = _fit(ex, spec, om, workspaces, stage, micro_steps,
-                               _capacity(dev, conf, outside), conf)
+                               _capacity(dev, conf, outside), conf, peak + sum(workspaces))
     traced_temporaries = parts["temporaries"]
     allocated = peak + sum(workspaces) + CALIBRATION.alloc_const + rounding
     parts["temporaries"] += allocated - peak

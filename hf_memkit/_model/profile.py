@@ -122,6 +122,23 @@ def build_model(config: PretrainedConfig, task: str | None = None, *,
         ) from exc
 
 
+_CLASSES: dict[tuple, tuple[PretrainedConfig, type]] = {}  # (id, task): (config, class)
+
+
+def model_class(config: PretrainedConfig, task: str | None = None) -> type:
+    """The class ``build_model`` builds for ``config`` and ``task``; built once per config
+    object (a plan resolves one config for each of its load dtypes and methods). The last few
+    configs are held, so that their ids are not reused while they are keys."""
+    task = normalize_task(task, config)
+    key = (id(config), task)
+    held = _CLASSES.get(key)
+    if held is None or held[0] is not config:
+        held = _CLASSES[key] = (config, type(build_model(config, task)))
+        while len(_CLASSES) > 8:
+            del _CLASSES[next(iter(_CLASSES))]
+    return held[1]
+
+
 def to_config(ref: Any) -> PretrainedConfig:
     if isinstance(ref, PretrainedConfig):
         return ref

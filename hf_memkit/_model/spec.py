@@ -27,7 +27,7 @@ from .adapters import (
     quantizable_linears,
 )
 from .facts import ModelFacts, model_facts
-from .profile import build_model, logical_numel, to_config, unwrap_model
+from .profile import logical_numel, model_class, to_config, unwrap_model
 from .tasks import normalize_task, task_of_class
 
 # bitsandbytes NF4 (bitsandbytes/functional.py quantize_4bit): 2 weights per byte, one fp32
@@ -239,7 +239,7 @@ def _from_config(ref: Any, task: str | None, dtype: torch.dtype | None, attn: st
                  lora_cfg: Any, quant: tuple) -> _Loaded:
     config = to_config(ref)
     task = normalize_task(task, config)
-    model_cls = type(build_model(config, task))
+    model_cls = model_class(config, task)
     # A quantized base goes through peft's prepare_model_for_kbit_training (the standard QLoRA
     # recipe, and what Plan.prepare does): every non-quantized bf16/fp16 parameter (embeddings,
     # head, norms) is upcast to fp32, and adapters are fp32. FSDP-QLoRA loads in its storage

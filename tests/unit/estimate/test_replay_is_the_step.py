@@ -151,12 +151,14 @@ def test_checkpoint_offload_never_raises_device_used(clean_cuda_env, seq_len):
     assert offload.device_used <= plain.device_used
 
 
-def test_a_stream_whose_live_bytes_exceed_the_device_is_not_replayed_against_it(
+def test_a_sharded_stream_is_replayed_on_the_device_with_the_ranks_headroom(
         clean_cuda_env, monkeypatch):
-    """A sharded engine's stream holds its states unsharded: where its live bytes alone exceed
-    what the allocator may reserve on the device, a replay at that capacity cannot complete, so
-    none is run (device_used then takes the unconstrained replay, as after a failed one). The
-    skipped replay, run here, does fail."""
+    """A sharded engine's stream holds its states unsharded: where its live bytes exceed what
+    the allocator may reserve on the device, a replay at that capacity cannot complete (run
+    here: it does not). The replay on the device keeps instead the rank's headroom over its own
+    live bytes, as ``required`` carries the smallest capacity over, so a step that fits reports
+    a ``device_used`` within the device (it reported the unconstrained replay's, 98.4 GiB for
+    Llama-3.1-70B on an 80 GiB H100)."""
     from hf_memkit._estimate import device
 
     runs, real = [], device.replay_step
@@ -176,22 +178,23 @@ def test_a_stream_whose_live_bytes_exceed_the_device_is_not_replayed_against_it(
     probe = mk.estimate_memory(cfg, fsdp, seq_len=64, device=dev, num_gpus=4,
                                cuda_version="12.8")
     unconstrained = runs[0][1]
-    # a device whose allocator capacity lies between what the rank needs and the unsharded
-    # stream's live bytes
-    context = probe.breakdown["context"] + CALIBRATION.alloc_const
-    need = probe.required - context
-    assert need < unconstrained.peak_allocated
-    small = dev.replace(total_memory=context + (need + unconstrained.peak_allocated) // 2)
+    # a device whose allocator capacity lies between the smallest the rank runs in and what it
+    # reserves with nothing pressing, below the unsharded stream's live bytes
+    outside = probe.breakdown["context"] + CALIBRATION.alloc_const
+    rank = probe.peak_allocated - CALIBRATION.alloc_const   # the rank's live bytes, replayed
+    smallest = probe.required - outside
+    rank_reserved = rank + unconstrained.peak_reserved - unconstrained.peak_allocated
+    assert rank < smallest < rank_reserved < unconstrained.peak_allocated
+    small = dev.replace(total_memory=outside + (smallest + rank_reserved) // 2)
     runs.clear()
     est = mk.estimate_memory(cfg, fsdp, seq_len=64, device=small, num_gpus=4,
                              cuda_version="12.8")
-    assert probe.required < small.total_memory
     _, s, events, params, kw = runs[0]
-    cap = small.total_memory - est.breakdown["context"] - CALIBRATION.alloc_const
-    assert s.peak_allocated > cap
-    # only the unconstrained replay and the smallest-capacity search, which stays within the
-    # stream's own range (from its live bytes up): none at the device's capacity
-    assert runs[0][0] is None
-    assert all(c is not None and c >= s.peak_allocated for c, *_ in runs[1:])
+    cap = small.total_memory - outside
+    assert runs[0][0] is None and s.peak_allocated > cap
     assert real(events, params, **{**kw, "capacity": cap}).ooms > 0
-    assert est.peak_reserved == probe.peak_reserved
+    # the device's replay: the rank's headroom (cap - rank) over the stream's live bytes
+    assert runs[1][0] == cap + s.peak_allocated - rank and runs[1][1].ooms == 0
+    assert all(c is not None and c >= s.peak_allocated for c, *_ in runs[1:])
+    assert est.device_used <= small.total_memory < probe.device_used
+    assert est.peak_reserved == probe.peak_reserved   # with nothing pressing: unchanged
