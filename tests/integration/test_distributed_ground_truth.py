@@ -96,11 +96,9 @@ def _bench_case(name: str) -> dict:
     return next(c for c in _dist_cases.cases() if c["name"] == name)
 
 
-@pytest.fixture(scope="module")
-def bf16_loaded():
-    """bench/_dist_cases.py's 7.4M-parameter Llama (model states ~30% of the peak), loaded in
-    bf16, FSDP2 full shard with bf16 mixed precision: measured, then estimated alike."""
-    spec = _bench_case("fsdp2-full-shard-bf16-loaded")
+def _measured_and_estimated(name: str, **kw) -> tuple[dict, mk.MemoryEstimate]:
+    """A case of bench/_dist_cases.py measured on 2 gloo ranks, then estimated alike."""
+    spec = _bench_case(name)
     measured = measure_distributed_peak({k: v for k, v in spec.items() if k != "name"}, nproc=2)
     from sharding import _our_args
     from transformers import AutoConfig
@@ -109,9 +107,16 @@ def bf16_loaded():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         est = mk.estimate_memory(AutoConfig.for_model(cfg.pop("model_type"), **cfg),
-                                 _our_args(spec), seq_len=spec["seq_len"], dtype="bfloat16",
-                                 device="cpu", num_gpus=2)
+                                 _our_args(spec), seq_len=spec["seq_len"], device="cpu",
+                                 num_gpus=2, **kw)
     return measured, est
+
+
+@pytest.fixture(scope="module")
+def bf16_loaded():
+    """bench/_dist_cases.py's 7.4M-parameter Llama (model states ~30% of the peak), loaded in
+    bf16, FSDP2 full shard with bf16 mixed precision: measured, then estimated alike."""
+    return _measured_and_estimated("fsdp2-full-shard-bf16-loaded", dtype="bfloat16")
 
 
 def test_fsdp2_upcasts_a_bf16_loaded_model_and_the_estimate_follows(bf16_loaded):
@@ -138,17 +143,7 @@ def test_fsdp2_accumulating_with_a_sync_each_batch_holds_its_sharded_gradients()
     gradients of the earlier ones beside what the first micro-step's backward holds. The
     estimate counted the traced gradients it had already held out twice and fell 6.3% short
     of the measured peak (a plan could pass a setup that does not fit)."""
-    spec = _bench_case("fsdp2-full-shard-ckpt-accum4-sync")
-    measured = measure_distributed_peak({k: v for k, v in spec.items() if k != "name"}, nproc=2)
-    from sharding import _our_args
-    from transformers import AutoConfig
-
-    cfg = dict(spec["config"])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        est = mk.estimate_memory(AutoConfig.for_model(cfg.pop("model_type"), **cfg),
-                                 _our_args(spec), seq_len=spec["seq_len"], device="cpu",
-                                 num_gpus=2)
+    measured, est = _measured_and_estimated("fsdp2-full-shard-ckpt-accum4-sync")
     assert est.setup.sharding.sync_each_batch and est.setup.grad_accum == 4
     assert est.peak_phase == "backward (accumulating)"
     grads = measured["ranks"][0]["local_grad_bytes"]
