@@ -256,7 +256,7 @@ class TraceCache:
         out. An accumulating step's second micro-step runs the same forward with the gradients
         of the first alive: its ``forward_accum`` excess (over weights, inputs and gradients)
         is the first forward's (checked against two-micro-step traces in
-        tests/unit/estimate/test_probe.py), so the probe bounds that phase too. The full trace
+        tests/unit/plan/test_search.py), so the probe bounds that phase too. The full trace
         instead when it is cached (or for eval)."""
         accum = 2 if stage == "train" and setup.grad_accum > 1 else 1
         key = self.key(spec, setup, seq_len=seq_len, stage=stage, target_len=target_len,

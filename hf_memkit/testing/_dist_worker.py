@@ -9,6 +9,7 @@ by ``HF_MEMKIT_DIST_OUT`` for the launcher to gather.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ import time
 from typing import Any
 
 from .._device.rss import alive_cpu_tensor_bytes
+from .._engines.base import sync_each_batch
 from ._rank_tools import digest, digesting_collate, examples, optimizer_bytes, tensor_bytes
 from .groundtruth import close_window, open_window
 from .groundtruth_dist import OUT_ENV
@@ -185,8 +187,7 @@ def _run_fsdp2(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
     optimizer = optim_cls([p for p in model.parameters() if p.requires_grad], **optim_kwargs)
 
     mb, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    sync_each = bool(args.accelerator_config.gradient_accumulation_kwargs.get("sync_each_batch")) \
-        if args.accelerator_config.gradient_accumulation_kwargs else False
+    sync_each = sync_each_batch(functools.partial(getattr, args))  # as the estimate reads it
     data = examples(spec, model.config, mb * accum * steps, seed=1 + rank)
     batches = [{k: torch.stack([x[k] for x in data[i:i + mb]]) for k in data[0]}
                for i in range(0, len(data), mb)]
