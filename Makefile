@@ -30,7 +30,8 @@ $(VENV)/.dev: pyproject.toml constraints.txt $(VENV)/.torch
 demo: $(VENV)/.demo
 	$(VENV)/bin/hf-memkit train recipes/tiny-llama/1m_full_cpu.yaml --overwrite
 
-# every extra is installed here, so a missing one (or ../shared) fails instead of skipping
+# every extra is installed here, so a missing one (or missing published GPU anchors,
+# docs/anchors.md) fails instead of skipping
 test: $(VENV)/.dev
 	HF_MEMKIT_STRICT_TESTS=1 $(VENV)/bin/python -m pytest -q
 

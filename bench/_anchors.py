@@ -25,7 +25,7 @@ import torch
 
 from hf_memkit._cuda import runtime as _cuda
 from hf_memkit._cuda.target import CudaTarget
-from hf_memkit._model import build_model, load_bundled_config
+from hf_memkit._model import load_bundled_config, model_from_config
 from hf_memkit._model.facts import layer_count, with_layers
 from hf_memkit._trace.step import trace_step
 
@@ -126,7 +126,7 @@ def exclusion(c: dict[str, Any]) -> str | None:
 @functools.cache
 def _model_cls(name: str):
     cfg = load_bundled_config(name)
-    return cfg, type(build_model(cfg, "causal-lm"))
+    return cfg, type(model_from_config(cfg, "causal-lm"))
 
 
 @functools.cache
@@ -236,7 +236,7 @@ def bert_weights_loaded() -> tuple[int, dict[str, int]]:
     cfg = load_bundled_config("bert-large-uncased")
     cfg.num_labels = 2
     with torch.device("meta"):
-        m = build_model(cfg, "sequence-classification")
+        m = model_from_config(cfg, "sequence-classification")
     sizes = [t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers())]
     weights = sum(sizes)
     reserved = reserved_for_tensors(sizes)

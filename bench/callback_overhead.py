@@ -6,7 +6,7 @@ One process; the two conditions alternate (ABBA order) so drift hits both alike.
 trains ``--steps`` optimizer steps with ``logging_steps=10``; its step time is the mean time
 between consecutive ``on_step_begin`` calls after ``--warmup`` steps (logging steps included,
 which is where the callbacks do their work). Reported: the median over repeats of the ratio
-with/without. Bar (DESIGN.md): <= 1% overhead.
+with/without. Bar (docs/quality-bars.md): <= 1% overhead.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each command runs in N fresh processes; the best (shortest) wall time counts, so
 on the machine weighs as little as it can. The figures are ratios to the best of
 ``import transformers`` measured in the same run, so they compare across machines.
 
-Bars (DESIGN.md, issue 28); the script exits 1 when one is missed:
+Bars (docs/quality-bars.md, issue 28); the script exits 1 when one is missed:
   * ``hf-memkit --help`` within 2.5x of ``import transformers``;
   * bad input (an unknown model name, an unknown GPU) refused in under 1 s, before any import
     of torch or trace;

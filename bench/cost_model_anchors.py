@@ -2,10 +2,11 @@
 and ratio errors (order counts such as "eager slower than SDPA" are true of almost any model
 and cannot fail).
 
-1. transformers' SDPA training benchmark (shared/anchors sdpa_*: pythia-410m on a laptop RTX 3080
-   Ti, opt-350m on an L40S; pure fp16, forward+backward of logits.sum(), NO optimizer step, time
-   per batch). Predicted with ``n_trainable=0``, which drops exactly the optimizer-step term of
-   ``cost`` (full fine-tuning's FLOPs do not depend on it). Reported per model:
+1. transformers' SDPA training benchmark (anchors sdpa_*, docs/anchors.md: pythia-410m on a
+   laptop RTX 3080 Ti, opt-350m on an L40S; pure fp16, forward+backward of logits.sum(), NO
+   optimizer step, time per batch). Predicted with ``n_trainable=0``, which drops exactly the
+   optimizer-step term of ``cost`` (full fine-tuning's FLOPs do not depend on it). Reported per
+   model:
    * Spearman rho of predicted vs published time over all rows, and per attention kind;
    * predicted/published time per row (the absolute scale: min, median, max);
    * the eager/SDPA time ratio of each (batch, seq) pair: predicted ratio / published ratio - 1.

@@ -8,7 +8,7 @@ running anything. Two baselines are shown side by side:
   * weights only, as ``accelerate estimate-memory`` reports a model's size;
   * "18 bytes/param and nothing for activations" (fp32 AdamW mixed-precision rule of thumb).
 
-Bar (DESIGN.md quality bars): median |error| <= 1%, worst <= 3% (issue #3 asked for 3% / 8%).
+Bar (docs/quality-bars.md): median |error| <= 1%, worst <= 3% (issue #3 asked for 3% / 8%).
 
 Deeper models: the ``llama6``/``llama8`` cases have more blocks than the estimator traces in full
 (``hf_memkit._estimate.activations.FULL_TRACE_MAX_LAYERS``), so their activations come from

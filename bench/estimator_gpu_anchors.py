@@ -1,5 +1,5 @@
 """Compare the estimator's CUDA predictions with published GPU measurements
-(shared/anchors/published_gpu_cases.yaml), each against the figure it measures
+(published_gpu_cases.yaml: docs/anchors.md), each against the figure it measures
 (torch max_memory_allocated, max_memory_reserved, or NVML), reported separately per figure.
 
     python bench/estimator_gpu_anchors.py [--json PATH] [--only SUBSTR] [--no-fit]

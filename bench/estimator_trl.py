@@ -8,7 +8,7 @@ tokenizer). The prediction is ``estimate_memory(config, <SFTConfig/DPOConfig fie
 trainer=...)``, made without running anything. As a baseline, the same setup estimated as a plain
 ``transformers.Trainer`` run (what hf_memkit said before it modelled TRL) is shown beside it.
 
-Bar (issue #14): median |error| <= 3%, worst <= 5% (DESIGN.md's CPU bar: 1% / 3%).
+Bar (issue #14): median |error| <= 3%, worst <= 5% (the CPU bar in docs/quality-bars.md: 1% / 3%).
 
     python bench/estimator_trl.py [--json results.json] [--only SUBSTRING ...]
 """

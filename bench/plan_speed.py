@@ -1,6 +1,7 @@
 """Cost of a whole plan relative to one estimate of the same model, measured in one process.
 
-Bar (DESIGN.md, issue #12): a plan costs at most 5x one estimate of the same model (goal 3x).
+Bar (docs/quality-bars.md, issue #12): a plan costs at most 5x one estimate of the same model
+(goal 3x).
 Each case runs in a fresh child process: a warm-up plan (imports, config parsing), then one
 ``estimate_memory`` of the setup that plan chose, then the timed plan. Both timed calls start
 with the same warm process and share no trace cache (``estimate_memory`` builds its own model

@@ -61,11 +61,11 @@ def _deepspeed_counts(name: str) -> tuple[int, int]:
     import torch
     from deepspeed.runtime.zero.stage3 import model_to_params
 
-    from hf_memkit._model import build_model
+    from hf_memkit._model import model_from_config
     from hf_memkit._model import to_config as _to_config
 
     with torch.device("meta"):
-        model = build_model(_to_config(name), "causal-lm")
+        model = model_from_config(_to_config(name), "causal-lm")
     _, largest = model_to_params(model)
     return mk.profile_model(name).total_params, largest
 

@@ -1,4 +1,4 @@
-"""Fences around optional dependencies (STYLE.md §11).
+"""Fences around optional dependencies (docs/style.md §11).
 
 Each ``is_*_available`` answers without importing the package twice; ``require`` raises an
 error that names the feature lost and the extra that brings it back; ``quiet_notices`` drops
@@ -36,8 +36,9 @@ def _has(module: str) -> bool:
 @cache
 def checkpointing_field() -> str:
     """The installed ``TrainingArguments``' name for gradient checkpointing: transformers 5
-    renamed ``gradient_checkpointing`` to ``activation_checkpointing`` (DESIGN.md); read the
-    installed class rather than hard-code either."""
+    renamed ``gradient_checkpointing`` to ``activation_checkpointing``
+    (docs/stack-facts.md#checkpointing-field-names); read the installed class rather than
+    hard-code either."""
     import dataclasses
 
     from transformers import TrainingArguments
@@ -45,10 +46,6 @@ def checkpointing_field() -> str:
     names = {f.name for f in dataclasses.fields(TrainingArguments)}
     new = "activation_checkpointing"
     return new if new in names else "gradient_checkpointing"
-
-
-def is_nvml_available() -> bool:
-    return _has("pynvml")
 
 
 def is_peft_available() -> bool:

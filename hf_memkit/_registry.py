@@ -2,9 +2,9 @@
 
 Each entry lives in a file of its own and calls ``REGISTRY.register(entry)`` at import; the
 package's ``__init__`` imports every entry file, so importing the package fills its registry.
-Lookups of an unknown name raise ``HfMemkitError`` naming what is allowed (STYLE.md §2); a name
-a registry refuses on purpose is recorded with why (``refuse`` / ``refusal``: an optimizer whose
-memory is not modelled), for the registry's owner to say in its own words.
+Lookups of an unknown name raise ``HfMemkitError`` naming what is allowed (docs/style.md §2); a
+name a registry refuses on purpose is recorded with why (``refuse`` / ``refusal``: an optimizer
+whose memory is not modelled), for the registry's owner to say in its own words.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Bytes inside, binary units outside (STYLE.md §6)."""
+"""Bytes inside, binary units outside (docs/style.md §6); and the two integer rules every
+layer checks counts with (``is_positive_int``, ``divisors``)."""
 
 from __future__ import annotations
 
@@ -52,3 +53,21 @@ def format_bytes(n: int | float | None, *, precision: int = 2) -> str:
         if n >= size:
             return f"{sign}{n / size:.{precision}f} {unit}"
     return f"{sign}{int(n)} B"
+
+
+def is_positive_int(v: object) -> bool:
+    """Whether ``v`` is a positive ``int`` (``True`` is not a count)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, ascending (found up to its square root)."""
+    low, high = [], []
+    k = 1
+    while k * k <= n:
+        if n % k == 0:
+            low.append(k)
+            if k * k != n:
+                high.append(n // k)
+        k += 1
+    return low + high[::-1]

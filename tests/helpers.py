@@ -24,7 +24,8 @@ class NetworkAccessError(RuntimeError):
 
 
 # `make test` (and so CI) installs every extra and sets HF_MEMKIT_STRICT_TESTS: there a missing
-# optional package or ../shared is a failure, never a silent skip.
+# optional package or missing published GPU anchors (docs/anchors.md) is a failure, never a
+# silent skip.
 STRICT = bool(os.environ.get("HF_MEMKIT_STRICT_TESTS") or os.environ.get("CI"))
 
 

@@ -4,7 +4,7 @@
 ``on_log`` on each callback in list order: ``DefaultFlowCallback``, the reporting integrations
 (TensorBoard, W&B, MLflow, ...), then the user's callbacks, then the console printer. A user
 callback that adds keys to ``logs`` in ``on_log`` is therefore too late for the reporters and for
-``log_history`` (DESIGN.md).
+``log_history`` (docs/stack-facts.md#callback-order-and-logs).
 
 The mechanism here: at ``on_train_begin`` the callback moves itself in the ``CallbackHandler``'s
 list to just after the last ``DefaultFlowCallback``, ahead of every reporter. In ``on_log`` it then

@@ -5,11 +5,12 @@
   them synchronises the device. NVML (nvidia-ml-py, where installed) adds what ``nvidia-smi``
   shows, the utilisation and the other processes on the device, each on its own (``_nvml``).
 * CPU: resident set size from ``/proc/self/status``; the peak is ``VmHWM``, reset by writing
-  ``5`` to ``/proc/self/clear_refs`` (DESIGN.md). "Allocated" is RSS minus the process's
-  non-tensor baseline (RSS minus the bytes of live CPU tensors, measured once when training
-  starts and once more after the first optimizer step, when thread pools and kernel caches
-  exist), so it is comparable with ``MemoryEstimate.peak_allocated``. It is exact when the process
-  runs with ``MALLOC_MMAP_THRESHOLD_=65536``; without it, freed heap memory that glibc keeps counts.
+  ``5`` to ``/proc/self/clear_refs`` (docs/stack-facts.md#cpu-ground-truth). "Allocated" is
+  RSS minus the process's non-tensor baseline (RSS minus the bytes of live CPU tensors, measured
+  once when training starts and once more after the first optimizer step, when thread pools and
+  kernel caches exist), so it is comparable with ``MemoryEstimate.peak_allocated``. It is exact
+  when the process runs with ``MALLOC_MMAP_THRESHOLD_=65536``; without it, freed heap memory that
+  glibc keeps counts.
 * MPS: ``torch.mps.current_allocated_memory`` / ``driver_allocated_memory``; MPS keeps no peak,
   so the peak is the largest reading taken.
 """

@@ -129,24 +129,34 @@ def will_log(args, state) -> bool:
 
 
 class MemoryCallback(TrainerCallback):
-    """Log device memory at each logging step into every ``report_to`` backend and ``log_history``.
+    """Log device memory at each logging step into every `report_to` backend and `log_history`.
+
+    The keys (`memory/*`) and the cost are in this module's docstring; rank 0 writes the logs,
+    and at train end the report and the plot into `args.output_dir` (`write_outputs`).
 
     Args:
-        estimate: a ``MemoryEstimate``, a ``Plan`` (anything with ``.estimate``) or anything with
-            ``.peak_allocated``; adds predicted-vs-actual keys and a line on the timeline.
-        plot: write ``memory_timeline.png`` at train end (needs matplotlib).
-        report: write ``memory_report.json`` at train end.
-        record_history: on CUDA, record the allocator's history from train begin
-            (``torch.cuda.memory._record_memory_history``) so that an OOM caught by the OOM guard
+        estimate (`MemoryEstimate` or `Plan`, *optional*):
+            A `MemoryEstimate`, a `Plan` (anything with `.estimate`) or anything with
+            `.peak_allocated`; adds predicted-vs-actual keys and a line on the timeline.
+        plot (`bool`, *optional*, defaults to `True`):
+            Write `memory_timeline.png` at train end (needs matplotlib).
+        report (`bool`, *optional*, defaults to `True`):
+            Write `memory_report.json` at train end.
+        record_history (`bool`, *optional*, defaults to `False`):
+            On CUDA, record the allocator's history from train begin
+            (`torch.cuda.memory._record_memory_history`) so that an OOM caught by the OOM guard
             dumps a snapshot pytorch.org/memory_viz opens. Each event keeps its Python stack
-            only (``stacks="python"``): torch's default also unwinds the C++ stack at every
+            only (`stacks="python"`): torch's default also unwinds the C++ stack at every
             allocation and free (larger entries, a slower dump on OOM).
-        max_entries: history ring-buffer size (alloc/free events) when ``record_history``.
-        calibrate: on CUDA with an estimate, append measured/predicted of ``device_used`` (NVML)
-            to this GPU's stored calibration once, at the first log from step 3 on.
-        across_ranks: under torch.distributed, log the maximum over the ranks (every rank must
-            then have this callback, as when one script builds the Trainer on every rank: each
-            logging step is a collective). False: rank 0 logs its own readings, no collective.
+        max_entries (`int`, *optional*, defaults to 100000):
+            History ring-buffer size (alloc/free events) when `record_history`.
+        calibrate (`bool`, *optional*, defaults to `False`):
+            On CUDA with an estimate, append measured/predicted of `device_used` (NVML) to this
+            GPU's stored calibration once, at the first log from step 3 on.
+        across_ranks (`bool`, *optional*, defaults to `True`):
+            Under torch.distributed, log the maximum over the ranks (every rank must then have
+            this callback, as when one script builds the Trainer on every rank: each logging
+            step is a collective). `False`: rank 0 logs its own readings, no collective.
     """
 
     def __init__(self, estimate: Any = None, *, plot: bool = True, report: bool = True,
@@ -390,9 +400,15 @@ class MemoryCallback(TrainerCallback):
             self.write_outputs(args.output_dir)
 
     def write_outputs(self, output_dir: str) -> None:
-        """``memory_report.json`` and ``memory_timeline.png`` (as enabled) into ``output_dir``;
-        also called for a run that stopped early (Ctrl-C, an exception), with ``self.status``
-        saying so in the report."""
+        """Write `memory_report.json` and `memory_timeline.png` (as enabled) into `output_dir`.
+
+        Called at train end, and also for a run that stopped early (Ctrl-C, an exception), with
+        `self.status` saying so in the report. A plot that cannot be drawn is a warning.
+
+        Args:
+            output_dir (`str`):
+                The folder to write to (created if missing).
+        """
         os.makedirs(output_dir, exist_ok=True)
         report = self.to_report()
         if self.report:
@@ -410,7 +426,12 @@ class MemoryCallback(TrainerCallback):
 
     def to_report(self) -> dict[str, Any]:
         """The JSON report: bytes throughout (GiB only in the logs); with several ranks each
-        reading is the maximum over them."""
+        reading is the maximum over them.
+
+        Returns:
+            `dict[str, Any]`: the device, the predicted peak, the status, a summary, each
+            logged step and evaluation, the OOM events and snapshots.
+        """
         peaks = [r["peak_allocated"] for r in self.timeline if r.get("peak_allocated") is not None]
         kind = self._reader.kind if self._reader else None
         summary: dict[str, Any] = {"max_peak_allocated": max(peaks) if peaks else None}
@@ -421,7 +442,7 @@ class MemoryCallback(TrainerCallback):
                "world_size": self._world[1] if self._world else 1,
                "steps": self.timeline, "evaluations": self.evals,
                "events": self.events, "oom_snapshots": list(_oom.snapshot_paths())}
-        if kind == "cpu":   # whether the readings are exact (DESIGN.md: the RSS method)
+        if kind == "cpu":   # whether the readings are exact (docs/stack-facts.md#cpu-ground-truth)
             out["cpu_readings"] = {"malloc_mmap_threshold": os.environ.get(
                 "MALLOC_MMAP_THRESHOLD_"), "exact": mmap_threshold_set()}
         return out

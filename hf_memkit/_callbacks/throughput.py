@@ -101,10 +101,13 @@ def _checkpointing(args, model) -> bool:
 
 
 class ThroughputCallback(TrainerCallback):
-    """Log ``throughput/*`` at each logging step: samples/s, tokens/s, TFLOP/s, MFU and HFU.
+    """Log `throughput/*` at each logging step: samples/s, tokens/s, TFLOP/s, MFU and HFU.
+
+    The FLOP counts and the cost are in this module's docstring. Only the main process logs.
 
     Args:
-        device: a ``DeviceInfo``, a catalog name ("H100-80GB") or None for ``probe_device()``:
+        device (`DeviceInfo` or `str`, *optional*):
+            A `DeviceInfo`, a catalog name (`"H100-80GB"`) or `None` for `probe_device()`:
             where the catalog peak for MFU comes from.
     """
 

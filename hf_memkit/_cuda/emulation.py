@@ -2,7 +2,7 @@
 (``autocast``), the SDPA kernel CUDA would pick (``sdpa``), and CUDA's fused dropout.
 
 The trace runs on this machine's CPU (``_trace.step``), where torch takes CPU code paths that allocate
-differently from CUDA (../shared/DESIGN.md, stack facts):
+differently from CUDA (docs/stack-facts.md#cpu-and-cuda-kernel-differences):
 
 * **SDPA.** ``sdpa_kernel`` follows aten/src/ATen/native/transformers/cuda/sdp_utils.cpp
   (``select_sdp_backend``, ``can_use_flash_attention``, ``can_use_mem_efficient_attention``,

@@ -3,9 +3,9 @@
 buffers. (What CUDA's kernels
 allocate is traced: ``_cuda.emulation``.)
 
-Constants marked FIT are calibrated on the declared fit half of ``shared/anchors`` (see
-``bench/estimator_gpu_anchors.py``, which reports the other half separately); the rest cite the
-PyTorch source they come from.
+Constants marked FIT are calibrated on the declared fit half of the published GPU anchors
+(docs/anchors.md; see ``bench/estimator_gpu_anchors.py``, which reports the other half
+separately); the rest cite the PyTorch source they come from.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ def segment_bytes(nbytes: int) -> int:
     return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
-# CUDA context + loaded kernels, as NVML sees it before any tensor. shared/anchors
-# hf_perf_cuda_context_overhead: 1343 MiB on V100, CUDA 11.2 (eager module loading: every kernel
-# of every library loads at context creation). Measured.
+# CUDA context + loaded kernels, as NVML sees it before any tensor. Anchor
+# hf_perf_cuda_context_overhead (docs/anchors.md): 1343 MiB on V100, CUDA 11.2 (eager module
+# loading: every kernel of every library loads at context creation). Measured.
 CONTEXT_EAGER_LOADING = 1343 * MiB
 # Lazy module loading (CUDA >= 11.7; torch sets CUDA_MODULE_LOADING=LAZY when it is unset,
 # torch/cuda/__init__.py _lazy_init). FIT on bench/results/gpu (FIT_SET: one H200, CUDA 13.0,
@@ -75,10 +75,10 @@ NCCL_CHANNELS = {"nvlink": 16, "pcie": 4}
 @dataclass(frozen=True)
 class CudaCalibration:
     """The constants of a CUDA estimate's band (``_estimate.device``) and the one constant fitted
-    on published GPU measurements (bench/estimator_gpu_anchors.py; fit set: the rows of
-    shared/anchors whose CRC32(case id) is even). The context is not here: it follows the CUDA
-    version (``cuda_runtime``); fragmentation is not here: it is replayed
-    (``_estimate.allocation``); a user calibration (``hf-memkit calibrate``) replaces the
+    on published GPU measurements (bench/estimator_gpu_anchors.py; fit set: the rows of the
+    published GPU anchors, docs/anchors.md, whose CRC32(case id) is even). The context is not
+    here: it follows the CUDA version (``cuda_runtime``); fragmentation is not here: it is
+    replayed (``_estimate.allocation``); a user calibration (``hf-memkit calibrate``) replaces the
     context, the workspaces and the band for that GPU.
 
     The band is built from the uncertainty of each term, combined as independent errors (model

@@ -1,4 +1,4 @@
-"""The bundled GPU catalog: one ``register(GpuSpec(...))`` per card (STYLE.md §2).
+"""The bundled GPU catalog: one ``register(GpuSpec(...))`` per card (docs/style.md §2).
 
 Figures are dense (no 2:4 sparsity) peak tensor throughput from each vendor datasheet, in
 TFLOP/s. ``memory`` is the total the driver reports (``nvidia-smi`` / NVML ``total``; ROCm's
@@ -120,7 +120,7 @@ register(GpuSpec(
 ))
 # --- Volta ------------------------------------------------------------------------------------
 # NVIDIA V100 datasheet (SXM2): FP32 15.7 TF, tensor 125 TF, 900 GB/s, NVLink 300 GB/s.
-# 16160 MiB is the nvidia-smi total in shared/anchors (hf_perf_cuda_context_overhead).
+# 16160 MiB is the nvidia-smi total of anchor hf_perf_cuda_context_overhead (docs/anchors.md).
 register(GpuSpec(
     "V100-SXM2-16GB", 16160 * MiB, (7, 0),
     {"fp32": 15.7, "tf32": 0.0, "fp16": 125.0, "bf16": 0.0},
@@ -155,9 +155,10 @@ register(GpuSpec(
     source="NVIDIA Ampere GA102 GPU architecture whitepaper, https://www.nvidia.com/content/"
            "PDF/nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf (appendix)",
 ))
-# Laptop RTX 3080 Ti 16 GB (GA103, shared/anchors sdpa_pythia410m_*): ~ 2/3 of a desktop 3080 Ti;
-# NVIDIA publishes no tensor TFLOP/s for laptop parts, figures scale the GA102 whitepaper by SM
-# count and boost clock (58 SMs at ~1.26 GHz): FP32 ~18.7, FP16/BF16 (FP32 acc) ~37.
+# Laptop RTX 3080 Ti 16 GB (GA103, anchors sdpa_pythia410m_*, docs/anchors.md): ~ 2/3 of a
+# desktop 3080 Ti; NVIDIA publishes no tensor TFLOP/s for laptop parts, figures scale the GA102
+# whitepaper by SM count and boost clock (58 SMs at ~1.26 GHz): FP32 ~18.7, FP16/BF16 (FP32
+# acc) ~37.
 register(GpuSpec(
     "RTX-3080Ti-Laptop-16GB", 16384 * MiB, (8, 6),
     {"fp32": 18.7, "tf32": 18.7, "fp16": 37.4, "bf16": 37.4},

@@ -101,10 +101,10 @@ def _reference_step(device: torch.device, bf16: bool) -> tuple[int, int]:
     """(max allocated, max reserved) of steps 2..3 of the reference model with torch AdamW."""
     import torch
 
-    from .._model.profile import build_model
+    from .._model.profile import model_from_config
 
     config = reference_config()
-    model = build_model(config, "causal-lm", device=device, dtype=torch.float32)
+    model = model_from_config(config, "causal-lm", device=device, dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, config.vocab_size, (REFERENCE_BATCH, REFERENCE_SEQ_LEN), device=device)

@@ -104,7 +104,8 @@ class DeviceInfo:
 
 
 def list_devices() -> list[str]:
-    """Canonical names of the bundled GPU catalog (aliases are accepted by ``get_device``)."""
+    """`list[str]`: the canonical names of the bundled GPU catalog, sorted (aliases are
+    accepted by `get_device`)."""
     return sorted(catalog())
 
 
@@ -131,9 +132,20 @@ def _from_spec(spec: GpuSpec, **extra: Any) -> DeviceInfo:
 
 
 def get_device(name: str, *, count: int = 1) -> DeviceInfo:
-    """A catalog GPU by name (case-insensitive, common aliases), e.g. ``get_device("a100")``.
+    """A catalog GPU by name (case-insensitive, common aliases), e.g. `get_device("a100")`.
 
-    ``"cpu"`` gives this machine's CPU, as ``probe_device`` would.
+    Args:
+        name (`str`):
+            A catalog name or alias (`list_devices()`); `"cpu"` gives this machine's CPU, as
+            `probe_device` would. A `DeviceInfo` is returned as it is.
+        count (`int`, *optional*, defaults to 1):
+            The number of such GPUs (`DeviceInfo.count`); not used for `"cpu"`.
+
+    Returns:
+        `DeviceInfo`: the catalog's facts (`free_memory` unknown: `None`), or this CPU's.
+
+    Raises:
+        HfMemkitError: For an unknown name; the message lists the known ones.
     """
     if isinstance(name, DeviceInfo):
         return name
@@ -168,13 +180,22 @@ def resolve_device(device: DeviceInfo | str | None) -> DeviceInfo:
 
 
 def probe_device(index: int | None = None) -> DeviceInfo:
-    """Describe CUDA device ``index`` of this machine (NVML, else torch.cuda), else MPS, else
-    the CPU. ``None``: this process's device (``local_device_index``), which under torchrun is
-    the rank's own GPU, never GPU 0 for every rank.
+    """Describe a device of this machine: CUDA (NVML, else `torch.cuda`), else MPS, else the CPU.
 
     Never raises for a missing driver: a machine without CUDA gets its CPU (or MPS) described.
-    Creates no CUDA context where NVML can answer (``torch.cuda.mem_get_info`` would make one
+    Creates no CUDA context where NVML can answer (`torch.cuda.mem_get_info` would make one
     of 0.3-0.5 GiB on the device it reads).
+
+    Args:
+        index (`int`, *optional*):
+            The CUDA device. `None`: this process's device (`local_device_index`), which under
+            torchrun is the rank's own GPU, never GPU 0 for every rank.
+
+    Returns:
+        `DeviceInfo`: the device, with its free memory now where it can be read.
+
+    Raises:
+        HfMemkitError: When CUDA device `index` does not exist.
     """
     import torch  # here, not at module level: `hf-memkit devices` and `--help` need no torch
 

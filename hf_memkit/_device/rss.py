@@ -1,4 +1,5 @@
-"""CPU memory readings from /proc (Linux): the peak-RSS window DESIGN.md uses as ground truth.
+"""CPU memory readings from /proc (Linux): the peak-RSS window used as ground truth
+(docs/stack-facts.md#cpu-ground-truth).
 
 With ``MALLOC_MMAP_THRESHOLD_=65536`` set at process start, every large tensor is its own
 mapping, so resident-set growth tracks live tensor bytes. Writing ``5`` to

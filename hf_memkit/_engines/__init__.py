@@ -1,5 +1,12 @@
 """Data-parallel engines, one registered ``Engine`` per file (see ``base``): single device, DDP,
-FSDP2 and DeepSpeed ZeRO-1/2/3 (+ CPU offload)."""
+FSDP2 and DeepSpeed ZeRO-1/2/3 (+ CPU offload); ``dims``: the run's parallel degrees
+(``ParallelDims``); ``launch``: launch command lines and communication per step.
+
+What a new engine or parallel dimension touches: docs/extending.md. The libraries' behaviour
+the engines follow: docs/stack-facts.md (#fsdp2-and-deepspeed-offload, #fsdp-argument-form,
+#deepspeed-zero-buffers). Imports the ground floor only (``_errors``, ``_units``,
+``_registry``).
+"""
 
 from __future__ import annotations
 

@@ -11,12 +11,15 @@ says in which dtype each rank computes (``traces_half``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .._errors import HfMemkitError, excerpt, quoted, read_json_file
 from .._registry import Registry
+from .dims import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -118,13 +121,19 @@ class Rung:
     shards_4bit: bool = False             # a 4-bit base (float quant storage) shards too
     precisions: tuple[str, ...] | None = None  # None: any precision
     replica: bool = False                 # every rank holds a full replica (DDP)
-    cp: int = 1                           # context parallelism: ranks one sequence is split over
-    cp_comm: str = "allgather"            # ... and how its ring attention rotates key/value
-    sp: int = 1                           # sequence parallelism (DeepSpeed Ulysses)
+    # the run's degrees where each sequence is split over ranks (context / sequence
+    # parallelism, ``split``); otherwise every rank is a data-parallel rank
+    dims: ParallelDims = ParallelDims()
 
     @property
     def offload(self) -> bool:
         return self.offload_params or self.offload_optimizer
+
+    def split(self, dims: ParallelDims) -> Rung:
+        """This rung with each sequence split over ranks as ``dims`` says; its name and label
+        carry the split (``ParallelDims.split_tag``)."""
+        return dataclasses.replace(self, name=f"{self.name}+{dims.split_tag}",
+                                   label=f"{self.label} + {dims.split_label}", dims=dims)
 
     @property
     def tier(self) -> int:
@@ -134,7 +143,8 @@ class Rung:
 
 @dataclass(frozen=True)
 class EmitContext:
-    """What an engine needs to write the TrainingArguments of a rung."""
+    """What an engine needs to write the TrainingArguments of a rung. ``dims``: the degrees the
+    run launches with (``settled``); the batch fields read the data-parallel degree from it."""
 
     ranks: int
     micro_batch: int
@@ -144,6 +154,11 @@ class EmitContext:
     hidden: int
     layer_class: str | None
     max_grad_norm: float
+    dims: ParallelDims | None = None   # None: every rank data-parallel
+
+    def __post_init__(self) -> None:
+        if self.dims is None:
+            object.__setattr__(self, "dims", ParallelDims().over(self.ranks))
 
 
 class Engine:
@@ -207,8 +222,10 @@ class Engine:
     def emit(self, rung: Rung, ctx: EmitContext) -> dict[str, Any]:
         return {}
 
-    def check_emitted(self, ta: dict[str, Any], sh: Sharding, notes: list[str]) -> None:
-        """Validate what ``emit`` wrote and add the plan's notes about it."""
+    def check_emitted(self, ta: dict[str, Any], sh: Sharding, dims: ParallelDims,
+                      notes: list[str]) -> None:
+        """Validate what ``emit`` wrote (``dims``: the degrees the run launches with) and add
+        the plan's notes about it."""
 
     def accelerator_plugin(self, ta: dict[str, Any]) -> dict[str, Any]:
         return {}
@@ -225,6 +242,51 @@ class Engine:
     def optimizer_shards(self, sh: Sharding) -> int:
         """Ranks that share one optimizer step."""
         return 1
+
+    # -- what libraries built on it do differently ---------------------------------------------
+    def zero3_enabled(self, sh: Sharding) -> bool:
+        """What transformers' ``is_deepspeed_zero3_enabled()`` says under ``sh``: the model is
+        partitioned as it loads (``zero.Init``). TRL branches on it: a PEFT model's adapters
+        keep the base's dtype, and generation gathers the whole model at once."""
+        return False
+
+    def parallel_notes(self, sh: Sharding, dims: ParallelDims) -> list[str]:
+        """What an estimate says of the engine composed with ``dims``' tensor, context or
+        sequence degrees."""
+        return []
+
+    # -- each sequence split over ranks (the planner's context / sequence parallelism) ---------
+    split_kind: str | None = None   # the parallelism that splits sequences on it, in words
+
+    def sequence_splits(self, degree: int, heads: Callable[[], int]) -> list[ParallelDims]:
+        """The splits of each sequence over ``degree`` ranks it runs, in the order the planner
+        tries them (``heads()``: the model's attention heads)."""
+        return []
+
+    def split_rungs(self) -> list[Rung]:
+        """The rungs that run with a split (each takes it through ``Rung.split``)."""
+        return []
+
+    def split_note(self, dims: ParallelDims, ranks: int) -> str:
+        """What a plan of ``ranks`` ranks says of the split ``dims``."""
+        return ""
+
+    def split_args(self, dims: ParallelDims) -> dict[str, Any]:
+        """The TrainingArguments fields that run this engine with each sequence split as
+        ``dims`` says (the reverse queries' longest sequence over several ranks)."""
+        return {}
+
+    # -- accelerate's config file and the engine's own ------------------------------------------
+    accelerate_type: str | None = None  # accelerate's distributed_type (None: by the ranks)
+
+    def accelerate_section(self, ta: dict[str, Any]) -> dict[str, Any]:
+        """The engine's keys of ``accelerate config``'s YAML, from the plan's arguments."""
+        return {}
+
+    def config_of(self, ta: dict[str, Any]) -> dict[str, Any] | None:
+        """The content of the file ``launch_commands`` names (``config_file``), from the plan's
+        TrainingArguments; None where the engine has none."""
+        return None
 
 
 ENGINES: Registry[Engine] = Registry("engine")

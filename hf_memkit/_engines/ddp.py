@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import EmitContext, Engine, RankStates, Rung, Sharding, StateSizes, register
+from .dims import ParallelDims
 
 RUNG = Rung("ddp", "DDP", "ddp", replica=True)
 
@@ -16,6 +17,7 @@ class DDP(Engine):
     name = "ddp"
     replicates = True
     launch_flag = "--multi_gpu"
+    accelerate_type = "MULTI_GPU"
 
     def from_args(self, get, world: int) -> Sharding:
         return Sharding("ddp", world, 0)
@@ -40,7 +42,8 @@ class DDP(Engine):
     def emit(self, rung: Rung, ctx: EmitContext) -> dict[str, Any]:
         return {"ddp_find_unused_parameters": False}
 
-    def check_emitted(self, ta: dict[str, Any], sh: Sharding, notes: list[str]) -> None:
+    def check_emitted(self, ta: dict[str, Any], sh: Sharding, dims: ParallelDims,
+                      notes: list[str]) -> None:
         notes.append(f"DDP: every rank holds a full replica ({sh.world_size} ranks); it fits, "
                      "so no sharding (the fastest data-parallel engine)")
 

@@ -38,6 +38,7 @@ from .base import (
     StateSizes,
     register,
 )
+from .dims import ParallelDims
 
 # DeepSpeed defaults the planner writes explicitly (HF's "auto" values: hidden^2 and 0.9 hidden^2).
 DS_ALLGATHER_BUCKET = int(5e8)
@@ -66,6 +67,8 @@ class DeepSpeed(Engine):
     launch_flag = "--use_deepspeed"
     config_file = "ds_config.json"
     fields = ("deepspeed",)
+    split_kind = "sequence"     # Ulysses (ALST) over every rank's ZeRO partitions
+    accelerate_type = "DEEPSPEED"
 
     def selected(self, get) -> bool:
         return bool(get("deepspeed"))
@@ -160,16 +163,18 @@ class DeepSpeed(Engine):
         return True  # DeepSpeed in 16-bit keeps the model itself in 16-bit, without autocast
 
     def emit(self, rung: Rung, ctx: EmitContext) -> dict[str, Any]:
-        sh = Sharding("deepspeed", ctx.ranks, rung.stage, offload_optimizer=rung.offload_optimizer,
+        sh = Sharding(self.name, ctx.ranks, rung.stage, offload_optimizer=rung.offload_optimizer,
                       offload_params=rung.offload_params)
-        split = {"parallelism_config": {"sp_size": rung.sp, "sp_backend": "deepspeed"}} \
-            if rung.sp > 1 else {}
+        split = {"parallelism_config": {"sp_size": ctx.dims.sp, "sp_backend": "deepspeed"}} \
+            if ctx.dims.sp > 1 else {}
         return {**split, "deepspeed": deepspeed_config_for(
             sh, micro_batch=ctx.micro_batch, grad_accum=ctx.grad_accum, precision=ctx.precision,
-            hidden=ctx.hidden, max_grad_norm=ctx.max_grad_norm)}
+            hidden=ctx.hidden, data_parallel=ctx.dims.data_parallel,
+            max_grad_norm=ctx.max_grad_norm)}
 
-    def check_emitted(self, ta: dict[str, Any], sh: Sharding, notes: list[str]) -> None:
-        validate_deepspeed_config(ta["deepspeed"], world_size=sh.world_size)
+    def check_emitted(self, ta: dict[str, Any], sh: Sharding, dims: ParallelDims,
+                      notes: list[str]) -> None:
+        validate_deepspeed_config(ta["deepspeed"], world_size=dims.data_parallel)
         notes.append(f"{sh.label()}: DeepSpeed config in training_args_kwargs['deepspeed'] "
                      "(write it with Plan.write_deepspeed_config)")
 
@@ -191,13 +196,40 @@ class DeepSpeed(Engine):
     def optimizer_shards(self, sh: Sharding) -> int:
         return sh.world_size if sh.stage >= 1 else 1
 
+    def zero3_enabled(self, sh: Sharding) -> bool:
+        return sh.stage == 3
+
+    # -- sequence parallelism (Ulysses): the planner's split of each sequence ------------------
+    def sequence_splits(self, degree: int, heads: Any) -> list[ParallelDims]:
+        h = heads()
+        return [ParallelDims(sp=degree)] if h and h % degree == 0 else []  # it splits heads
+
+    def split_rungs(self) -> list[Rung]:
+        return [r for r in RUNGS if r.stage == 3]   # ZeRO-3 over every rank
+
+    def split_note(self, dims: ParallelDims, ranks: int) -> str:
+        return (f"sequence parallelism x{dims.sp} (DeepSpeed Ulysses; {ranks // dims.sp} "
+                f"data-parallel group(s)): sequences must be a multiple of {dims.sp} tokens, "
+                "batches carry position_ids")
+
+    def accelerate_section(self, ta: dict[str, Any]) -> dict[str, Any]:
+        return {"deepspeed_config": {"deepspeed_config_file": self.config_file}}
+
+    def config_of(self, ta: dict[str, Any]) -> dict[str, Any] | None:
+        cfg = ta.get("deepspeed")
+        return cfg if isinstance(cfg, dict) else None
+
 
 DEEPSPEED_ENGINE = register(DeepSpeed())
 
 
 def deepspeed_config_for(sh: Sharding, *, micro_batch: int, grad_accum: int, precision: str,
-                         hidden: int, max_grad_norm: float = 1.0) -> dict[str, Any]:
-    """A complete DeepSpeed config (no "auto" left, so DeepSpeed's own class can check it)."""
+                         hidden: int, data_parallel: int | None = None,
+                         max_grad_norm: float = 1.0) -> dict[str, Any]:
+    """A complete DeepSpeed config (no "auto" left, so DeepSpeed's own class can check it).
+    ``train_batch_size`` is micro-batch x accumulation x the data-parallel ranks
+    (``data_parallel``; default every rank): under sequence parallelism DeepSpeed takes its
+    world size from the data-parallel group (``DeepSpeedConfig``: the world / ``sp``)."""
     z: dict[str, Any] = {"stage": sh.stage, "overlap_comm": True, "contiguous_gradients": True,
                          "reduce_bucket_size": sh.reduce_bucket or hidden * hidden}
     if sh.stage in (1, 2):
@@ -213,7 +245,7 @@ def deepspeed_config_for(sh: Sharding, *, micro_batch: int, grad_accum: int, pre
         z["offload_param"] = {"device": "cpu", "pin_memory": True}
     return {"train_micro_batch_size_per_gpu": micro_batch,
             "gradient_accumulation_steps": grad_accum,
-            "train_batch_size": micro_batch * grad_accum * sh.world_size,
+            "train_batch_size": micro_batch * grad_accum * (data_parallel or sh.world_size),
             "gradient_clipping": max_grad_norm, "zero_optimization": z,
             "bf16": {"enabled": precision == "bf16"},
             "fp16": {"enabled": precision == "fp16"}}

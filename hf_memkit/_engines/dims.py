@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .._errors import ConfigError, quoted
+from .._units import divisors
 
 DIMS = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
 CP_STRATEGIES = ("allgather", "alltoall")   # accelerate TorchContextParallelConfig
@@ -83,6 +84,37 @@ class ParallelDims:
             return seq_len
         div = self.sequence_divisor
         return -(-seq_len // div) * div // n
+
+    def over(self, processes: int) -> ParallelDims:
+        """These tensor / context / sequence degrees launched on ``processes`` ranks: the rest
+        are data-parallel (sharding) ranks."""
+        return dataclasses.replace(self, dp_replicate=1,
+                                   dp_shard=max(1, processes // self.non_data_parallel))
+
+    @property
+    def split_tag(self) -> str:
+        """The sequence split in a rung's name (``cp8``, ``cp8-alltoall``, ``sp4``); "" for
+        none. ``from_split_tag`` reads it back."""
+        if self.cp > 1:
+            return f"cp{self.cp}" + ("" if self.cp_comm == CP_STRATEGIES[0] else f"-{self.cp_comm}")
+        return f"sp{self.sp}" if self.sp > 1 else ""
+
+    @property
+    def split_label(self) -> str:
+        """The sequence split as a plan's label shows it ("CP x8 (allgather)")."""
+        if self.cp > 1:
+            return f"CP x{self.cp} ({self.cp_comm})"
+        return f"SP x{self.sp} (Ulysses)" if self.sp > 1 else ""
+
+    @classmethod
+    def from_split_tag(cls, tag: str) -> ParallelDims:
+        """Inverse of ``split_tag`` ("" -> no split)."""
+        if tag.startswith("sp"):
+            return cls(sp=int(tag[2:]))
+        if tag.startswith("cp"):
+            degree, _, comm = tag[2:].partition("-")
+            return cls(cp=int(degree), cp_comm=comm or CP_STRATEGIES[0])
+        return cls()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -149,10 +181,6 @@ def read_dims(value: Any) -> ParallelDims | None:
     return ParallelDims(**deg, cp_comm=comm)
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
 def dims_problems(dims: ParallelDims, *, processes: int, engine: str) -> list[str]:
     """accelerate's rules for ``dims`` on ``processes`` ranks under ``engine`` (none | ddp |
     fsdp | deepspeed), each naming the rule and the nearest valid degrees."""
@@ -168,7 +196,7 @@ def dims_problems(dims: ParallelDims, *, processes: int, engine: str) -> list[st
                    "dp_shard_size > 1 with dp_replicate_size > 1 (HSDP)")
     if dims.sp > 1:
         if processes % dims.sp:
-            near = [k for k in _divisors(processes) if k > 1]
+            near = [k for k in divisors(processes) if k > 1]
             out.append(f"sp_size={dims.sp} does not divide the {processes} processes (DeepSpeed "
                        f"overlays SP on data parallelism); use sp_size in {near or [1]}")
     elif dims.total != processes:

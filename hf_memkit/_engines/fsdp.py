@@ -57,6 +57,7 @@ from .base import (
     StateSizes,
     register,
 )
+from .dims import CP_STRATEGIES, ParallelDims
 
 # fsdp_config keys transformers 5.x reads (TrainingArguments._process_fsdp_args; a leading
 # "fsdp_" is stripped first). TrainingArguments accepts any other key silently, so a typo would
@@ -140,6 +141,8 @@ class FSDP(Engine):
     holds_masters = True        # the sharded parameters are the (upcast) fp32 masters
     launch_flag = "--use_fsdp"
     fields = ("fsdp", "fsdp_config", "accelerator_config")
+    split_kind = "context"      # torch ring attention over the dp_shard x cp mesh
+    accelerate_type = "FSDP"
 
     def selected(self, get) -> bool:
         return bool(get("fsdp"))
@@ -248,12 +251,14 @@ class FSDP(Engine):
             sh, ctx.layer_class, checkpointing=ctx.checkpointing)}
         if ctx.grad_accum > 1:  # reduce-scatter every micro-step: no unsharded gradients kept
             out["accelerator_config"] = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
-        if rung.cp > 1:  # accelerate's ParallelismConfig fields (Plan builds the object)
-            out["parallelism_config"] = {"dp_shard_size": ctx.ranks // rung.cp,
-                                         "cp_size": rung.cp, "cp_comm_strategy": rung.cp_comm}
+        dims = ctx.dims
+        if dims.cp > 1:  # accelerate's ParallelismConfig fields (Plan builds the object)
+            out["parallelism_config"] = {"dp_shard_size": dims.dp_shard, "cp_size": dims.cp,
+                                         "cp_comm_strategy": dims.cp_comm}
         return out
 
-    def check_emitted(self, ta: dict[str, Any], sh: Sharding, notes: list[str]) -> None:
+    def check_emitted(self, ta: dict[str, Any], sh: Sharding, dims: ParallelDims,
+                      notes: list[str]) -> None:
         notes.append(f"{sh.label()}: a replica does not fit one GPU; launch with accelerate or "
                      "torchrun (FSDP through the Trainer needs CUDA)")
         if ta.get("activation_checkpointing") or ta.get("gradient_checkpointing"):
@@ -281,6 +286,42 @@ class FSDP(Engine):
     def optimizer_shards(self, sh: Sharding) -> int:
         return sh.world_size
 
+    def parallel_notes(self, sh: Sharding, dims: ParallelDims) -> list[str]:
+        if dims.tp == 1:
+            return []
+        return ["accelerate 1.15 composes FSDP2 with tensor parallelism through transformers' "
+                "ReplicateParallel, which transformers 5.23 no longer has; load the model with "
+                "DistributedConfig(tp_size=..., fsdp_size=...) instead"]
+
+    # -- context parallelism: the planner's split of each sequence ------------------------------
+    def sequence_splits(self, degree: int, heads: Any) -> list[ParallelDims]:
+        # allgather (one collective, the whole key/value held during attention) before the
+        # alltoall ring (two chunks in flight): the faster first, as memory savers are taken
+        return [ParallelDims(cp=degree, cp_comm=comm) for comm in CP_STRATEGIES]
+
+    def split_rungs(self) -> list[Rung]:
+        return [r for r in RUNGS if r.stage == 3]   # FSDP2 over the dp_shard x cp mesh
+
+    def split_note(self, dims: ParallelDims, ranks: int) -> str:
+        return (f"context parallelism x{dims.cp} (torch ring attention, cp_comm_strategy="
+                f"{dims.cp_comm!r}; {ranks // dims.cp} data-parallel group(s)): attention runs "
+                f"on SDPA, sequences are padded to a multiple of {dims.sequence_divisor} tokens, "
+                "and TRL refuses packing with it")
+
+    def split_args(self, dims: ParallelDims) -> dict[str, Any]:
+        return {"fsdp": "full_shard", "fsdp_config": {"version": 2},
+                "parallelism_config": {"cp_size": dims.cp}}
+
+    def accelerate_section(self, ta: dict[str, Any]) -> dict[str, Any]:
+        fsdp = {}
+        for k, v in (ta.get("fsdp_config") or {}).items():
+            key = _FSDP_YAML.get(k, k if k.startswith("fsdp_") else f"fsdp_{k}")
+            fsdp[key] = ",".join(v) if isinstance(v, list) else v
+        return {"fsdp_config": fsdp}
+
+
+# fsdp_config keys whose accelerate config-file name is not ``fsdp_<key>``
+_FSDP_YAML = {"cpu_offload": "fsdp_offload_params", "version": "fsdp_version"}
 
 FSDP_ENGINE = register(FSDP())
 

@@ -4,9 +4,16 @@ Model states (weights, gradients, optimizer state) are computed analytically fro
 list (``_model.spec``, ``_optimizers``, ``_engines``), so optimizers whose kernels cannot run on
 fake tensors (bitsandbytes) are still exact. Activations and temporaries come from tracing the
 real model code on fake tensors (``activations``); ``phases`` puts them together per phase of
-the step, and ``result`` holds the answer. ``store`` keeps traces (and their allocator replays)
-on disk between processes, keyed by all they depend on (``estimate_memory`` and the planner use
-it by default; ``HF_MEMKIT_NO_CACHE=1`` turns it off).
+the step, ``assemble`` makes one estimate of the rank (``parallel``: under tensor, context or
+sequence parallelism), ``device`` and ``allocation`` add what CUDA holds besides (the caching
+allocator replayed), ``budget`` says what it must fit in, and ``result`` holds the answer.
+``hf_memkit._store`` keeps traces (and their allocator replays) on disk between processes,
+keyed by all they depend on (``estimate_memory`` and the planner use it by default;
+``HF_MEMKIT_NO_CACHE=1`` turns it off).
+
+A hub: it drives every engine and trainer through its registry entry and names none
+(docs/extending.md). What must fit, and in what budget: docs/fitting.md; the accuracy it is
+held to and how it is measured: docs/quality-bars.md, docs/stack-facts.md#cpu-ground-truth.
 """
 
 from __future__ import annotations
@@ -28,8 +35,9 @@ from .._setup.setup import normalize_args
 from .._trainers.fused_head import with_completion
 from .._trainers.packing import MAX_TOKENS, with_lengths
 from .activations import TraceCache
+from .assemble import estimate_for
 from .budget import headroom_problem, max_memory_problem, memory_budget, resolve_headroom
-from .phases import BREAKDOWN_SUM_KEYS, estimate_for
+from .phases import BREAKDOWN_SUM_KEYS
 from .result import MemoryEstimate
 
 STAGES = ("train", "eval", "forward_backward")
@@ -105,45 +113,113 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,
                     ref_model: bool | None = None,
                     lengths: Sequence[int] | None = None,
                     completion_len: int | None = None) -> MemoryEstimate:
-    """Predict the peak memory of one training (``stage="train"``) or eval step.
+    """Predict the peak memory of one training or eval step of `model` on a device.
 
-    ``stage="forward_backward"``: the peak of one forward and backward of the model's own loss
-    (from ``labels``) without an optimizer step and without optimizer state, as a custom training
-    loop or a benchmark runs ``model(**batch).loss.backward()``; the gradients stay allocated.
-    ``cuda_version`` ("12.8"): the target's CUDA; default the installed torch's CUDA, else the
-    default torch wheel's (13.0). It decides eager or lazy module loading (``CUDA_MODULE_LOADING``
-    is honoured) and so the CUDA context. For a CUDA device the trace follows CUDA's autocast
-    policy, SDPA kernel choice and dropout (``_cuda.emulation``), not this CPU's. The CUDA
-    environment of this process is read as torch reads it: ``PYTORCH_CUDA_ALLOC_CONF`` /
-    ``PYTORCH_ALLOC_CONF`` (the allocator options; ``per_process_memory_fraction`` caps the
-    budget, options not modelled are named in the notes), ``CUBLAS_WORKSPACE_CONFIG``,
-    ``TORCH_CUDNN_SDPA_DEPRIORITIZED`` and, on this machine's GPU, the runtime cuDNN.
+    The estimate is for the target device: the model states come from the parameter list, and
+    the activations from tracing the real model code on fake tensors. For a CUDA device the
+    trace follows CUDA's autocast policy, SDPA kernel choice and dropout (`_cuda.emulation`),
+    not this CPU's. The CUDA environment of this process is read as torch reads it:
+    `PYTORCH_CUDA_ALLOC_CONF` / `PYTORCH_ALLOC_CONF` (the allocator options;
+    `per_process_memory_fraction` caps the budget, options not modelled are named in the
+    notes), `CUBLAS_WORKSPACE_CONFIG`, `TORCH_CUDNN_SDPA_DEPRIORITIZED` and, on this machine's
+    GPU, the runtime cuDNN.
 
-    ``model``: a model on any device (meta included; a peft model is LoRA), a
-    ``PretrainedConfig``, a catalog name or a local directory. ``args``: ``TrainingArguments`` or a
-    dict of its fields. ``seq_len``: the longest sequence of a batch (a padded batch peaks there).
-    ``task`` picks the head for a config; ``target_len`` is the label length of seq2seq (default
-    ``seq_len``). ``dtype``: the dtype weights are loaded in (``torch.bfloat16`` = "pure" bf16
-    training; default: the model's, fp32 for a config). ``peft_config`` / ``quantization_config``:
-    LoRA / QLoRA as ``Plan.model_kwargs`` would load it. ``padded``: batches carry a real attention
-    mask (dynamic padding). ``device``: DeviceInfo, catalog name, ``"cpu"``, or None (this machine).
-    ``num_gpus``: data-parallel ranks; with ``fsdp``/``fsdp_config`` or ``deepspeed`` in ``args``
-    the estimate is one rank's (FSDP2 / ZeRO shards, gathered layers, buckets), otherwise DDP.
-    ``headroom`` / ``max_memory``: the budget ``fits`` is judged against, as ``plan_training``
-    takes them (``max_memory``, bytes or "20GiB", overrides the device's total x (1 - headroom)).
+    Args:
+        model (`torch.nn.Module`, `PretrainedConfig`, `str` or `os.PathLike`):
+            A model on any device (the meta device included; a peft model is LoRA), a
+            `PretrainedConfig`, a catalog name or a local directory.
+        args (`TrainingArguments`, a TRL config or `dict`, *optional*):
+            `transformers.TrainingArguments`, a TRL config (`SFTConfig`, `DPOConfig`,
+            `GRPOConfig`, `RLOOConfig`) or a dict of their fields; `None` for the defaults. A
+            dict plans for another machine without building the arguments here. A
+            `parallelism_config` in it sets the data / tensor / context / sequence degrees.
+        seq_len (`int`, *optional*):
+            The longest sequence of a batch (a padded batch peaks there), at most 2**24
+            tokens. May be left out when the trainer's config carries a `max_length` (the
+            default then) or `lengths` is given (not both). GRPO / RLOO: the longest prompt.
+        device (`DeviceInfo` or `str`, *optional*):
+            A `DeviceInfo`, a catalog name or `"cpu"`; `None` for this machine's device
+            (`probe_device()`), whose free memory then bounds the budget too.
+        stage (`str`, *optional*, defaults to `"train"`):
+            `"train"` (one optimizer step of the Trainer), `"eval"` (an eval step) or
+            `"forward_backward"`: the peak of one forward and backward of the model's own loss
+            (from `labels`) without an optimizer step and without optimizer state, as a custom
+            training loop or a benchmark runs `model(**batch).loss.backward()`; the gradients
+            stay allocated.
+        task (`str`, *optional*):
+            Picks the head when `model` is a config or a name (default: from the config's
+            `architectures`).
+        target_len (`int`, *optional*):
+            The label length of a seq2seq model; defaults to `seq_len`.
+        dtype (`torch.dtype` or `str`, *optional*):
+            The dtype the weights are loaded in (`torch.float32`, `torch.bfloat16` = "pure" bf16
+            training, `torch.float16`, or its name); `None` / `"auto"`: the model's, fp32 for a
+            config.
+        attn_implementation (`str`, *optional*):
+            The attention kernel the model is loaded with (`"sdpa"`, `"eager"`, ...); default
+            the model's own.
+        peft_config (`peft.LoraConfig`, *optional*):
+            LoRA adapters, as `Plan.model_kwargs` / `Plan.peft_config` would load them; a peft
+            model's own adapters when left out.
+        quantization_config (`BitsAndBytesConfig`, *optional*):
+            A quantized base, as `Plan.model_kwargs` would load it (QLoRA: needs `peft_config`).
+        padded (`bool`, *optional*, defaults to `False`):
+            The batches carry a real attention mask (dynamic padding).
+        num_gpus (`int`, *optional*):
+            Data-parallel ranks. With `fsdp` / `fsdp_config` or `deepspeed` in `args` the
+            estimate is one rank's (FSDP2 / ZeRO shards, gathered layers, buckets), otherwise
+            DDP.
+        sharding (`hf_memkit._engines.Sharding`, *optional*):
+            How one rank holds the model states, replacing what `args` say (the planner's).
+        cuda_version (`str`, *optional*):
+            The target's CUDA, e.g. `"12.8"`; default the installed torch's CUDA, else the
+            default torch wheel's (13.0). It decides eager or lazy module loading
+            (`CUDA_MODULE_LOADING` is honoured) and so the CUDA context.
+        headroom (`float`, *optional*, defaults to 0.05):
+            The fraction of device memory kept free, in [0, 1), as `plan_training` takes it:
+            the budget `fits` is judged against is the device's total x (1 - headroom).
+        max_memory (`int` or `str`, *optional*):
+            The budget in bytes or as `"20GiB"`; overrides the device's total x (1 - headroom)
+            (a `headroom` given beside it is ignored, with a warning).
+        trainer (`str`, *optional*):
+            `"trainer"` (`transformers.Trainer`), `"sft"` (TRL's `SFTTrainer`), `"dpo"`
+            (`DPOTrainer`), `"grpo"` or `"rloo"`; default from `args`' class (an `SFTConfig`
+            means `"sft"`). TRL trainers are estimated as they run: their fused log-prob head,
+            `max_length` as the default `seq_len`, padding-free / packed micro-batches, DPO's
+            chosen+rejected rows and its reference model.
+        ref_model (`bool`, *optional*):
+            DPO only (another trainer refuses it). `True`: you pass your own `ref_model` (a
+            frozen copy held on the device even for a PEFT policy or with
+            `precompute_ref_log_probs`).
+        lengths (`Sequence[int]`, *optional*):
+            The token counts of the dataset's rows, in order, instead of `seq_len`: a padded
+            batch peaks at the longest (truncated at `max_length`); a padding-free or packed
+            SFT micro-batch is estimated at the most tokens any of its micro-batches holds
+            (BFD's bins simulated as TRL packs them).
+        completion_len (`int`, *optional*):
+            SFT with `completion_only_loss` / `assistant_only_loss`, DPO: the labelled tokens
+            of a row, which alone TRL's head scores on CUDA (`_trainers.fused_head`); without
+            it every position is scored (an upper bound).
 
-    ``trainer``: "trainer" (``transformers.Trainer``), "sft" (TRL's ``SFTTrainer``) or "dpo"
-    (``DPOTrainer``); default from ``args``' class (an ``SFTConfig`` means "sft"). TRL trainers
-    are estimated as they run: their fused log-prob head, ``max_length`` as the default
-    ``seq_len``, padding-free / packed micro-batches, DPO's chosen+rejected rows and its
-    reference model. ``ref_model=True`` (DPO): you pass your own ``ref_model`` (a frozen copy
-    held on the device even for a PEFT policy or with ``precompute_ref_log_probs``).
-    ``lengths``: the token counts of the dataset's rows, in order: a padded batch peaks at the
-    longest (the default ``seq_len``); a padding-free or packed SFT micro-batch is estimated at
-    the most tokens any of its micro-batches holds (BFD's bins simulated as TRL packs them).
-    ``completion_len`` (SFT with ``completion_only_loss`` / ``assistant_only_loss``, DPO): the
-    labelled tokens of a row, which alone TRL's head scores on CUDA (``_trainers.fused_head``);
-    without it every position is scored (an upper bound).
+    Returns:
+        `MemoryEstimate`: the step's predicted memory in bytes (`peak_allocated`,
+        `device_used`, `required`, `breakdown`, the margin) with the `budget` it is judged
+        against and how that was derived (`budget_basis`); `fits` gives the verdict.
+
+    Raises:
+        ConfigError: Every problem of the inputs at once: `seq_len` missing or not a positive
+            integer of at most 2**24 tokens, `lengths` with `seq_len`, an unknown `stage`, a
+            bad `target_len`, `cuda_version`, `headroom`, `max_memory`, `num_gpus` or
+            `completion_len`, and the problems of `args` (`bf16` with `fp16`, an unknown
+            optimizer, ...).
+        HfMemkitError: An unknown model, device or trainer, a TRL trainer that is not
+            modelled, a `dtype` weights cannot be loaded in, or a quantized base without
+            `peft_config`.
+
+    Warns:
+        UserWarning: For a precision the device does not support (the estimate is still of
+            the precision asked for), a `seq_len` past the model's positions, `headroom`
+            beside `max_memory`, and settings the estimate does not model.
     """
     setup = normalize_args(args, source="args", num_gpus=num_gpus, trainer=trainer,
                            ref_model=ref_model)

@@ -18,9 +18,11 @@ request lands in is discrete, and neither a line through two shallow replays nor
 transfers (off by 0.16x to 4x on bert-base, GPT-2 and an 8-block Llama when we tried). Optimizer
 state is laid out per trainable parameter in the proportion ``_optimizers`` gives for the whole
 model.
-Not modelled here: sharded engines' own buffers (their states are replayed unsharded) and the
-allocator's memory release when the device is nearly full (it then frees cached segments and
-retries, so reserved can stay below this figure instead of failing).
+The allocator's release on a nearly full device is replayed too: with a ``capacity``
+(``replay_step``) it frees its cached segments and retries before an OOM, as CUDA's does, which
+``device`` uses for the smallest capacity a step completes in (``required``) and for the step at
+the device's own memory. Not modelled here: sharded engines' own buffers (their states are
+replayed unsharded).
 """
 
 from __future__ import annotations

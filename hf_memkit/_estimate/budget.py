@@ -1,6 +1,6 @@
 """The memory a setup may use on a device: one rule for ``estimate_memory`` and the planner.
 
-DESIGN.md, fitting rules: budget = ``max_memory`` if given; else ``total_memory x (1 -
+docs/fitting.md, the budget: budget = ``max_memory`` if given; else ``total_memory x (1 -
 headroom)``, and no more than ``free_memory + own_memory`` (what is free plus what this process
 already holds there) when the device is the one this process runs on; on CUDA, no more than
 ``per_process_memory_fraction`` of the device (``allocator_limit``).

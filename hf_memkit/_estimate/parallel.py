@@ -96,8 +96,7 @@ def _problems(spec: ModelSpec, setup: TrainingSetup, dims: ParallelDims) -> list
     if dims.cp > 1 and opts.get("packing"):
         out.append(f"packing=True with cp_size={dims.cp}: TRL refuses it (context parallelism "
                    "drops the block-diagonal mask); set packing=False")
-    if dims.splits_sequence > 1 and setup.trainer_kind.step(opts) is not None \
-            and setup.trainer_kind.name not in ("sft",):
+    if dims.splits_sequence > 1 and not setup.trainer_kind.sequence_split:
         out.append(f"{setup.trainer_kind.title} with cp/sp: not modelled (its rollout or "
                    "paired rows are not split); estimate with cp_size=1 and sp_size=1")
     return out
@@ -162,11 +161,7 @@ def _tensor_buffers(view: RankView, spec: ModelSpec, setup: TrainingSetup, dims:
                       "(transformers' tp_plan, split by heads, MLP width and vocabulary); norms "
                       "whole; hidden states and logits whole on every rank" +
                       ("; TRL's fused head gathers the head's whole weight" if fused else ""))
-    if setup.sharding.engine == "fsdp":
-        view.notes.append("accelerate 1.15 composes FSDP2 with tensor parallelism through "
-                          "transformers' ReplicateParallel, which transformers 5.23 no longer "
-                          "has; load the model with DistributedConfig(tp_size=..., "
-                          "fsdp_size=...) instead")
+    view.notes.extend(setup.engine.parallel_notes(setup.sharding, dims))
 
 
 def _sequence_buffers(view: RankView, setup: TrainingSetup, dims: ParallelDims,

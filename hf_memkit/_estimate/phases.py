@@ -18,60 +18,22 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from .._cuda.runtime import CudaRuntime, cuda_runtime
-from .._cuda.target import CudaTarget, this_torch_cudnn
-from .._device.precision import precision_issues
 from .._device.probe import DeviceInfo
 from .._engines import RankStates, ReferenceSizes, StateSizes, rank_states
-from .._errors import HfMemkitError
 from .._model.spec import ModelSpec
-from .._model.tasks import TASKS
 from .._optimizers import OptimizerContext, OptimizerMemory, get_optimizer_profile
 from .._setup.setup import TrainingSetup
 from .._techniques import TECHNIQUES
 from .._units import format_bytes
-from .activations import Excess, TraceCache, trace_excess
-from .budget import backend_notes
-from .device import device_terms
-from .parallel import rank_view
-from .result import MemoryEstimate
-from .rollout import colocated_tenant, rollout_notes, rollout_phases
+from .activations import Excess
 
 BREAKDOWN_SUM_KEYS = ("weights", "gradients", "optimizer", "activations", "temporaries")
 TRACE_PHASE = {"forward": "forward", "backward": "backward", "eval forward": "eval",
                "forward (accumulating)": "forward_accum",
                "backward (accumulating)": "backward_accum"}
-
-
-def check_setup(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, seq_len: int,
-                seq_name: str = "seq_len") -> list[str]:
-    """Raise for what cannot run; return what the estimate notes about the setup.
-    ``seq_name``: the argument the sequence length came from, as the user wrote it."""
-    if setup.checkpointing and not spec.supports_checkpointing:
-        raise HfMemkitError(
-            f"{spec.model_cls.__name__} does not support gradient checkpointing; set "
-            "activation_checkpointing=False (and use a smaller micro-batch or another memory "
-            "saver instead)")
-    learned = spec.learned_positions()
-    if learned and seq_len > learned:
-        raise HfMemkitError(f"{seq_name} {seq_len} exceeds this model's learned position "
-                            f"embeddings ({learned}); use {seq_name} <= {learned}")
-    notes = backend_notes(dev)
-    notes += [i.message for i in precision_issues(dev, bf16=setup.amp == "bf16")]
-    if spec.positions_warning(seq_len, seq_name):
-        notes.append(spec.positions_warning(seq_len, seq_name))
-    if setup.tf32:
-        notes.append("tf32 changes matmul precision only; no memory effect")
-    notes.extend(f"not modelled: {u}" for u in setup.unmodelled)
-    for use in sorted(setup.techniques):
-        t = TECHNIQUES.get(use.name)
-        if not t.acts_on(dev.kind):
-            notes.append(f"{t.sentence_name} changes nothing on a {dev.kind} target: {t.inert}")
-    return notes
 
 
 def states_for(spec: ModelSpec, setup: TrainingSetup,
@@ -105,7 +67,7 @@ def states_for(spec: ModelSpec, setup: TrainingSetup,
     return rank_states(sh, sizes, facts=facts, device_kind=dev.kind), om
 
 
-def _state_notes(setup: TrainingSetup, rs: RankStates, om: OptimizerMemory,
+def state_notes(setup: TrainingSetup, rs: RankStates, om: OptimizerMemory,
                  dev: DeviceInfo) -> list[str]:
     notes = list(setup.notes)
     notes.extend(setup.engine.notes(setup.sharding, dev.kind))
@@ -139,9 +101,8 @@ def trained_spec(spec: ModelSpec, setup: TrainingSetup) -> ModelSpec:
     them to (``TrainerKind.adapter_dtype``: TRL's bf16 for a quantized base)."""
     if spec.lora is None:
         return spec
-    sh = setup.sharding
     dtype = setup.trainer_kind.adapter_dtype(
-        quantized=spec.quant_bits is not None, zero3=sh.engine == "deepspeed" and sh.stage == 3,
+        quantized=spec.quant_bits is not None, zero3=setup.engine.zero3_enabled(setup.sharding),
         base=spec.dtype, given=spec.lora.adapter_dtype)
     return spec.with_adapter_dtype(dtype) if dtype is not None else spec
 
@@ -158,7 +119,7 @@ def trace_variant(spec: ModelSpec, setup: TrainingSetup) -> tuple[ModelSpec, Tra
 
 
 @dataclass
-class _Step:
+class Step:
     """The per-phase totals of one step and what is alive at its peak."""
 
     phases: dict[str, int]
@@ -188,8 +149,8 @@ def _train_phases(ex: Excess, xp: dict[str, int], rs: RankStates) -> dict[str, i
     return phases
 
 
-def _step(spec: ModelSpec, trace_spec: ModelSpec, setup: TrainingSetup, ex: Excess,
-          rs: RankStates, stage: str, ref: tuple[int, int] = (0, 0)) -> _Step:
+def step_phases(spec: ModelSpec, trace_spec: ModelSpec, setup: TrainingSetup, ex: Excess,
+          rs: RankStates, stage: str, ref: tuple[int, int] = (0, 0)) -> Step:
     xp = dict(ex.phases)
     trainable = spec.states()[1]
     # gradients made during the backward are reduce-scattered layer by layer: one rank keeps
@@ -224,7 +185,7 @@ def _step(spec: ModelSpec, trace_spec: ModelSpec, setup: TrainingSetup, ex: Exce
         phases = {"eval forward": rs.weights + ex.inputs + rs.optimizer + rs.buckets
                   + rs.gathered_forward + xp["eval"]}
     held, gather = ref  # the reference forward runs inside the step's forward
-    return _Step({k: v + held + (gather if "forward" in k else 0) for k, v in phases.items()},
+    return Step({k: v + held + (gather if "forward" in k else 0) for k, v in phases.items()},
                  ex, rs, grad_factor, G_acc, held, gather)
 
 
@@ -249,20 +210,7 @@ def reference_share(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, int]:
                                   spec.facts() if engine.sharded else None)
 
 
-def _eval_logits_note(spec: ModelSpec, setup: TrainingSetup, seq_len: int,
-                      target_len: int | None) -> list[str]:
-    vocab = getattr(spec.config.get_text_config(), "vocab_size", None)
-    if setup.prediction_loss_only or not vocab or not TASKS.get(spec.task).vocab_logits:
-        return []
-    per_step = setup.eval_batch * (target_len or seq_len) * vocab * 4
-    every = setup.eval_accumulation_steps
-    return [f"the evaluation loop keeps each batch's logits ({format_bytes(per_step)} per "
-            "eval step) on the device " + (f"for {every} steps before moving them to the CPU"
-                                           if every else "until the evaluation ends") +
-            "; set prediction_loss_only=True or eval_accumulation_steps to bound it"]
-
-
-def _breakdown(step: _Step, phase: str) -> dict[str, int]:
+def breakdown(step: Step, phase: str) -> dict[str, int]:
     """weights, gradients, optimizer, activations, temporaries at the peak (sum = peak)."""
     rs, ex = step.rs, step.excess
     cats = ex.categories.get(TRACE_PHASE.get(phase, ""), {})
@@ -288,130 +236,9 @@ def _breakdown(step: _Step, phase: str) -> dict[str, int]:
     return parts
 
 
-def _reference_note(ref: tuple[int, int]) -> list[str]:
+def reference_note(ref: tuple[int, int]) -> list[str]:
     if not (ref[0] or ref[1]):
         return []
     return [f"the reference model: a frozen copy, {format_bytes(ref[0])} held on this rank" +
             (f" and {format_bytes(ref[1])} gathered for its forward" if ref[1] else "") +
             " (precompute_ref_log_probs=True or a PEFT policy frees it)"]
-
-
-def emulation_acts(spec: ModelSpec, setup: TrainingSetup, ex: Excess) -> bool:
-    """Whether the CUDA emulation (``_cuda.emulation``) changes the traced step: autocast, an
-    SDPA kernel, CUDA's fused dropout, a bitsandbytes base (CUDA's dequantisation), a TRL
-    trainer's CUDA head, or a technique that acts only on CUDA. Where none does, the band's
-    traced term carries the CPU-measured error and CUDA kernels' private buffers only."""
-    if setup.amp or ex.sdpa_kernels or ex.cuda_dropout or spec.quant_bits:
-        return True
-    if setup.trainer_kind.step(setup.trainer_options) is not None:
-        return True
-    return any(not TECHNIQUES.get(u.name).acts_on("cpu") for u in setup.techniques)
-
-
-def cuda_target(dev: DeviceInfo, runtime: CudaRuntime | None) -> tuple[CudaTarget | None, str]:
-    """The CUDA target of ``dev`` and why cuDNN attention is (not) tried first: the runtime
-    cuDNN where ``dev`` is this machine's GPU under this torch's CUDA, else the one assumed from
-    the CUDA version (``_cuda.target``)."""
-    if runtime is None:
-        return None, ""
-    cudnn = this_torch_cudnn(runtime.version) if dev.source != "catalog" else None
-    return CudaTarget.resolve(dev.compute_capability, runtime.version, cudnn)
-
-
-def _kernel_note(ex: Excess, target: CudaTarget | None, cudnn: str) -> list[str]:
-    if target is None or not ex.sdpa_kernels:
-        return []
-    kinds = sorted(set(ex.sdpa_kernels))
-    cc = ".".join(map(str, target.compute_capability))
-    return [f"attention: CUDA's {'/'.join(kinds)} SDPA kernel (sm {cc}; {cudnn}; "
-            "aten/src/ATen/native/transformers/cuda/sdp_utils.cpp)"]
-
-
-def _shares(terms: Any) -> dict[str, int]:
-    """Each term's share of the margin: the margin split in proportion to the terms' variances
-    (they combine as independent errors), so the shares sum to the margin."""
-    total = sum(v * v for v in terms.sigmas.values())
-    if not total:
-        return {}
-    return {k: int(terms.margin * v * v / total) for k, v in terms.sigmas.items() if v}
-
-
-def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_len: int,
-                 stage: str = "train", target_len: int | None = None, padded: bool = False,
-                 cache: TraceCache | None = None,
-                 probe: bool = False, cuda_version: str | None = None,
-                 fit_budget: int | None = None, seq_name: str = "seq_len") -> MemoryEstimate:
-    """``estimate_memory`` for an already resolved model and setup (the planner's entry).
-    ``probe=True`` with a cache bounds a train step from its forward alone
-    (``MemoryEstimate.lower_bound``). ``fit_budget``:
-    the budget the planner judges by, so the smallest-capacity search runs only where the
-    verdict depends on it (``device.device_terms``). ``seq_name``: the argument ``seq_len`` came
-    from (``max_length``), named by its errors."""
-    runtime = cuda_runtime(cuda_version) if dev.kind == "cuda" else None
-    target, cudnn = cuda_target(dev, runtime)
-    notes = check_setup(spec, setup, dev, seq_len, seq_name)
-    cast = trained_spec(spec, setup)
-    if cast is not spec:
-        notes.append(setup.trainer_kind.adapter_note(cast.lora.adapter_dtype))
-        spec = cast
-    view = rank_view(spec, setup, seq_len, dev.kind, padded)  # TP / CP / SP: one rank's share
-    spec, notes = view.spec, notes + view.notes
-    rs, om = states_for(spec, setup, dev)
-    if stage == "forward_backward":
-        rs = dataclasses.replace(rs, optimizer=0, optimizer_transient=0)
-        om = dataclasses.replace(om, state=0, transient=0, paged=0, paged_resident=0)
-    notes += _state_notes(setup, rs, om, dev)
-    ref = reference_share(spec, setup)
-    notes += _reference_note(ref)
-    trace_spec, trace_setup = trace_variant(spec, setup)
-    kw = dict(seq_len=view.seq_len, stage=stage, target_len=target_len, padded=padded,
-              target=target)
-    if cache is None:
-        ex = trace_excess(trace_spec, trace_setup, **kw)
-    elif probe:
-        ex = cache.probe(trace_spec, trace_setup, **kw)
-    else:
-        ex = cache.excess(trace_spec, trace_setup, **kw)
-    # QLoRA's dequantisation temporaries are traced (_trace.SimLinear4bit); an 8-bit base is
-    # traced as frozen linears of the load dtype.
-    step = _step(spec, trace_spec, setup, ex, rs, stage, ref)
-    view.add_to(step.phases)  # tensor parallelism's collectives, the CP mask (``parallel``)
-    if stage == "eval":
-        notes += _eval_logits_note(spec, setup, seq_len, target_len)
-    rollout = rollout_phases(trace_spec, trace_setup, rs, seq_len=seq_len, held=ref[0],
-                             target=target, cache=cache) if stage == "train" else {}
-    notes += rollout_notes(setup, rollout)
-    step.phases.update({k: v.total for k, v in rollout.items()})
-    phase = max(step.phases, key=lambda k: step.phases[k])
-    parts = rollout[phase].parts if phase in rollout else _breakdown(step, phase)
-    phase_ex, phase_stage = (rollout[phase].excess, "eval") if phase in rollout else (ex, stage)
-    terms = device_terms(dev, step.phases[phase], parts, om, runtime,
-                         setup.parallel.total, ex=phase_ex, spec=trace_spec,
-                         stage=phase_stage,
-                         micro_steps=min(setup.grad_accum, 2) if phase_stage == "train" else 1,
-                         model_states=rs.model_states, weights=rs.weights,
-                         fit_budget=fit_budget, emulated=emulation_acts(spec, setup, ex))
-    allocated, reserved, used, rel = terms.allocated, terms.reserved, terms.used, terms.rel_sigma
-    notes += terms.notes + _kernel_note(ex, target, cudnn)
-    vm, grown, phase, more = colocated_tenant(spec, setup, dev, seq_len=seq_len, held=ref[0],
-                                              parts=parts, rs=rs, used=used, phase=phase) \
-        if stage == "train" else (None, used, phase, [])
-    terms.required += grown - used   # a colocated vLLM: not in torch's allocator, on the device
-    used, notes = grown, notes + more
-    if ex.host:
-        notes.append(setup.trainer_kind.host_note(ex.host))
-    if om.paged:  # in managed memory; only the step's pages count in device_used
-        parts["optimizer_paged"] = om.paged
-        parts["optimizer_paged_resident"] = om.paged_resident
-    return MemoryEstimate(
-        peak_allocated=int(allocated), peak_reserved=int(reserved), device_used=int(used),
-        breakdown={k: int(v) for k, v in parts.items()}, peak_phase=phase, stage=stage,
-        device=dev, setup=setup, seq_len=seq_len, uncertainty=rel, notes=notes,
-        trace_seconds=ex.seconds, traced_layers=ex.layers, model_states=int(rs.model_states),
-        host_offloaded=int(rs.host) + ex.host + technique_host_bytes(
-            spec, setup, view.seq_len, device_kind=dev.kind, stage=stage),
-        lower_bound=ex.lower_bound, cuda_version=runtime.version if runtime else None,
-        margin=terms.margin, required=int(terms.required),
-        required_at_least=terms.required_at_least, margin_terms=_shares(terms),
-        phase_peaks={k: int(v) for k, v in step.phases.items()},
-        refusals=list(vm.refusals) if vm is not None else [])

@@ -1,4 +1,9 @@
-"""Fine-tuning methods, one registered ``Method`` per file; import order is the ladder."""
+"""Fine-tuning methods, one registered ``Method`` per file; import order is the ladder.
+
+Why the ladder runs full fine-tuning first and LoRA only as a fallback:
+docs/fitting.md#methods-rungs-and-offload; what a new method touches: docs/extending.md.
+Imports the ground floor and ``_model``.
+"""
 
 # isort: off
 from . import full, lora, lora_8bit, qlora, qlora_fsdp  # noqa: F401  (registers, in ladder order)

@@ -1,6 +1,6 @@
 """LoRA on an LLM.int8 base (bitsandbytes 8-bit): int8 matmuls with outlier decomposition. No
-throughput figure in shared/anchors; assumed between LoRA and QLoRA (0.8x LoRA) so the ladder
-orders them by memory."""
+throughput figure in the published GPU anchors (docs/anchors.md); assumed between LoRA and QLoRA
+(0.8x LoRA) so the ladder orders them by memory."""
 
 from __future__ import annotations
 

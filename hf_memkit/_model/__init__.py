@@ -1,9 +1,16 @@
-"""The model: where its config comes from (``catalog``), what it is (``profile``), its heads
-(``tasks``), its layer structure (``facts``) and the estimator's view of it (``spec``).
+"""The model: where its config comes from (``catalog``, ``names``), what it is (``profile``), its
+heads (``tasks``), its layer structure (``facts``), its adapters and quantized linears
+(``adapters``), one rank's share under tensor parallelism (``tensor_parallel``) and the
+estimator's view of it (``spec``).
 
 ``tasks`` needs neither torch nor transformers (the CLI's parsers read it), so the names of
 ``catalog``, ``facts`` and ``profile`` are imported on first use (PEP 562), never by importing
-``hf_memkit._model.tasks``."""
+``hf_memkit._model.tasks``.
+
+What a new task (head) or model family touches: docs/extending.md; why models are built from
+bundled configs, never downloaded: docs/stack-facts.md#offline-models-and-data. Imports the
+ground floor and ``_optimizers`` (``ParamInfo``).
+"""
 
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ _LAZY: dict[str, str] = {
     "model_facts": ".facts",
     "ModelProfile": ".profile",
     "architecture_facts": ".profile",
-    "build_model": ".profile",
+    "model_from_config": ".profile",
     "logical_numel": ".profile",
     "profile_model": ".profile",
     "to_config": ".profile",
@@ -33,8 +40,8 @@ if TYPE_CHECKING:
     from .profile import (
         ModelProfile,
         architecture_facts,
-        build_model,
         logical_numel,
+        model_from_config,
         profile_model,
         to_config,
         unwrap_model,
@@ -55,6 +62,6 @@ def __dir__() -> list[str]:
 
 
 __all__ = ["TASKS", "ModelFacts", "ModelProfile", "architecture_facts", "auto_class",
-           "build_model", "list_models", "load_bundled_config", "logical_numel", "model_facts",
+           "model_from_config", "list_models", "load_bundled_config", "logical_numel", "model_facts",
            "normalize_task", "profile_model", "resolve_config", "task_of_class", "to_config",
            "unwrap_model"]

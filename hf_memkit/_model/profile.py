@@ -98,7 +98,7 @@ def token_id_problem(config: PretrainedConfig) -> str | None:
     return None
 
 
-def build_model(config: PretrainedConfig, task: str | None = None, *,
+def model_from_config(config: PretrainedConfig, task: str | None = None, *,
                 device: str | torch.device = "meta", **kwargs: Any) -> PreTrainedModel:
     """Instantiate ``config`` with the head for ``task`` on ``device`` (meta: no memory)."""
     task = normalize_task(task, config)
@@ -122,18 +122,37 @@ def build_model(config: PretrainedConfig, task: str | None = None, *,
         ) from exc
 
 
+def load_quantized(auto_cls: Any, config: PretrainedConfig, quantization_config: Any,
+                   folder: str, *, load_kwargs: dict[str, Any] | None = None,
+                   **kwargs: Any) -> PreTrainedModel:
+    """``auto_cls`` (an ``AutoModelFor...`` class) of ``config`` with random weights, quantized
+    as users load a checkpoint: ``from_config`` rejects ``quantization_config``
+    (docs/stack-facts.md), so the model is built, saved to ``folder`` and loaded back with it.
+    ``kwargs`` go to both (``dtype``, ``attn_implementation``); ``load_kwargs`` to the load
+    alone (``device_map``)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        model = auto_cls.from_config(config, **kwargs)
+    model.save_pretrained(folder)
+    del model
+    return auto_cls.from_pretrained(folder, quantization_config=quantization_config, **kwargs,
+                                    **(load_kwargs or {}))
+
+
 _CLASSES: dict[tuple, tuple[PretrainedConfig, type]] = {}  # (id, task): (config, class)
 
 
 def model_class(config: PretrainedConfig, task: str | None = None) -> type:
-    """The class ``build_model`` builds for ``config`` and ``task``; built once per config
+    """The class ``model_from_config`` builds for ``config`` and ``task``; built once per config
     object (a plan resolves one config for each of its load dtypes and methods). The last few
     configs are held, so that their ids are not reused while they are keys."""
     task = normalize_task(task, config)
     key = (id(config), task)
     held = _CLASSES.get(key)
     if held is None or held[0] is not config:
-        held = _CLASSES[key] = (config, type(build_model(config, task)))
+        held = _CLASSES[key] = (config, type(model_from_config(config, task)))
         while len(_CLASSES) > 8:
             del _CLASSES[next(iter(_CLASSES))]
     return held[1]
@@ -166,10 +185,22 @@ def logical_numel(p: torch.Tensor) -> int:
 
 
 def profile_model(model_or_config_or_name: Any, *, task: str | None = None) -> ModelProfile:
-    """Parameter counts and architecture facts; never allocates weights.
+    """Parameter counts and architecture facts of a model; never allocates weights.
 
-    ``task`` picks the head when a config or name is given (default: from
-    ``config.architectures``), e.g. ``"sequence-classification"`` for bert-large.
+    Args:
+        model_or_config_or_name (`torch.nn.Module`, `PretrainedConfig`, `str` or `os.PathLike`):
+            A transformers model (or a peft model around one), a config, a catalog name or a
+            local directory.
+        task (`str`, *optional*):
+            Picks the head when a config or name is given (default: from
+            `config.architectures`), e.g. `"sequence-classification"` for bert-large.
+
+    Returns:
+        `ModelProfile`: total, trainable and frozen parameters, their bytes, and the
+        architecture facts the estimator needs.
+
+    Raises:
+        HfMemkitError: For a model without `.config`, an unknown name, type or task.
     """
     if isinstance(model_or_config_or_name, torch.nn.Module):
         model = model_or_config_or_name
@@ -184,7 +215,7 @@ def profile_model(model_or_config_or_name: Any, *, task: str | None = None) -> M
     else:
         config = to_config(model_or_config_or_name)
         task = normalize_task(task, config)
-        model = base = build_model(config, task)
+        model = base = model_from_config(config, task)
         is_peft = False
     return _profile(model, base, config, task, is_peft)
 

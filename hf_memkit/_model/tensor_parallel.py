@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from .._units import divisors
 from .spec import ModelSpec
 
 # Plan styles a narrowed model reproduces, by the module they apply to (the plan's key, layer
@@ -56,10 +57,6 @@ def _unsupported(plan: dict[str, str]) -> list[str]:
     return bad
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
 def tp_problems(spec: ModelSpec, tp: int) -> list[str]:
     """Why ``spec`` cannot be split ``tp`` ways as transformers splits it (empty: it can)."""
     name = spec.model_cls.__name__
@@ -81,7 +78,7 @@ def tp_problems(spec: ModelSpec, tp: int) -> list[str]:
     for attr in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         v = getattr(text, attr, None)
         if isinstance(v, int) and v % tp:
-            ok = [k for k in _divisors(v) if k > 1 and k <= 64]
+            ok = [k for k in divisors(v) if k > 1 and k <= 64]
             out.append(f"tp_size={tp} does not divide {name}'s {attr} ({v}): each rank takes "
                        f"whole {attr.split('_')[-1]}; use tp_size in {ok[:8] or [1]}")
     return out

@@ -1,4 +1,6 @@
-"""Surviving an out-of-memory error inside the training loop.
+"""Surviving an out-of-memory error inside the training loop. Why a Trainer mixin (a callback
+cannot catch an exception; ``auto_find_batch_size`` changes the effective batch): ``guard``'s
+docstring; the wording an OOM is known by: docs/stack-facts.md#oom-wording-and-batch-size-retry.
 
 * ``guard``: ``OOMGuardMixin`` / ``OOMGuardTrainer`` (re-exported by ``hf_memkit.callbacks``):
   replay the optimizer step with smaller micro-batches, keep the effective batch;

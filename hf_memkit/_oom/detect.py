@@ -142,7 +142,7 @@ def start_memory_history(max_entries: int = 100_000) -> bool:
     try:
         torch.cuda.memory._record_memory_history(
             enabled="all", context="all", stacks="python", max_entries=max_entries)
-    except Exception as exc:  # private API (STYLE.md §11): say which feature is lost
+    except Exception as exc:  # private API (docs/style.md §11): say which feature is lost
         logger.warning("cannot record CUDA memory history (%s); no snapshot on OOM", exc)
         return False
     _recording = True

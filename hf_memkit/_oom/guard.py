@@ -116,7 +116,7 @@ class OOMRecoveryError(HfMemkitError, RuntimeError):
 
 
 _PLAN = "or run `hf-memkit plan` (hf_memkit.plan_training) for a setup that fits this GPU"
-# What to change when the guard has nothing left to try, by phase (STYLE.md §7).
+# What to change when the guard has nothing left to try, by phase (docs/style.md §7).
 _FIX = {
     "forward/backward": (
         "turn on gradient checkpointing (activation_checkpointing=True), train in bf16, shorten "
@@ -135,15 +135,31 @@ _FIX = {
 
 
 class OOMGuardMixin:
-    """Mix into a ``transformers.Trainer`` (before it) to survive OOMs without changing the run.
+    """Mix into a `transformers.Trainer` (before it) to survive OOMs without changing the run.
 
-    ``class MyTrainer(OOMGuardMixin, Trainer)`` or use ``OOMGuardTrainer``. Extra keyword
-    arguments: ``max_oom_recoveries`` (3), ``oom_snapshot_dir`` (``output_dir``),
-    ``oom_next_chunk_size`` (``chunk -> smaller chunk``; default halves it),
-    ``oom_step_backup`` (``False``; ``True`` keeps a host copy of the parameters and optimizer
-    state before each optimizer step, so that an OOM after a partial update is undone exactly:
-    host memory of their size and one device-to-host copy per step).
-    ``trainer.oom_recoveries`` lists what happened; each recovery is also logged (``oom/*`` keys).
+    `class MyTrainer(OOMGuardMixin, Trainer)`, or use `OOMGuardTrainer`. What each recovery
+    does, and when it gives up, is in this module's docstring. `trainer.oom_recoveries` lists
+    what happened (`OOMRecovery`); each recovery is also logged (`oom/*` keys).
+
+    Args:
+        *args, **kwargs:
+            The Trainer's own arguments.
+        max_oom_recoveries (`int`, *optional*, defaults to 3):
+            Recoveries allowed in the run (forward/backward, optimizer and evaluation together).
+        oom_snapshot_dir (`str`, *optional*):
+            Where allocator snapshots are written (when history is recorded:
+            `MemoryCallback(record_history=True)`); defaults to `args.output_dir`, else `.`.
+        oom_next_chunk_size (`Callable[[int], int]`, *optional*):
+            `chunk -> smaller chunk` after a forward/backward OOM; default halves it.
+        oom_step_backup (`bool`, *optional*, defaults to `False`):
+            `True` keeps a host copy of the parameters and optimizer state before each
+            optimizer step, so that an OOM after a partial update is undone exactly: host
+            memory of their size and one device-to-host copy per step.
+
+    Raises:
+        HfMemkitError: At construction, when `max_oom_recoveries` is negative.
+        OOMRecoveryError: In training or evaluation, when no recovery is left, when host
+            memory runs out, or on an OOM in a run of several processes.
     """
 
     def __init__(self, *args, max_oom_recoveries: int = 3, oom_snapshot_dir: str | None = None,
@@ -443,4 +459,18 @@ class OOMGuardMixin:
 
 
 class OOMGuardTrainer(OOMGuardMixin, Trainer):
-    """``transformers.Trainer`` with ``OOMGuardMixin``: recovers from OOM inside the loop."""
+    """`transformers.Trainer` with `OOMGuardMixin`: recovers from OOM inside the loop.
+
+    Args:
+        *args, **kwargs:
+            `transformers.Trainer`'s arguments (`model`, `args`, `train_dataset`, ...).
+        max_oom_recoveries (`int`, *optional*, defaults to 3):
+            Recoveries allowed in the run (see `OOMGuardMixin`).
+        oom_snapshot_dir (`str`, *optional*):
+            Where allocator snapshots are written; defaults to `args.output_dir`, else `.`.
+        oom_next_chunk_size (`Callable[[int], int]`, *optional*):
+            `chunk -> smaller chunk` after a forward/backward OOM; default halves it.
+        oom_step_backup (`bool`, *optional*, defaults to `False`):
+            Keep a host copy of the parameters and optimizer state before each optimizer step
+            (see `OOMGuardMixin`).
+    """

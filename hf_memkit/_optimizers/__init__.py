@@ -1,6 +1,9 @@
 """Optimizer memory and facts, one registered ``OptimizerProfile`` per ``TrainingArguments.optim``
-value (STYLE.md §2). A new optimizer is one ``register(OptimizerProfile(...))`` in one file here,
-imported below."""
+value (docs/style.md §2). A new optimizer is one ``register(OptimizerProfile(...))`` in one file
+here, imported below; docs/extending.md says what else it touches (nothing).
+
+Imports the ground floor only (``_errors``, ``_compat``, ``_registry``).
+"""
 
 from . import (  # noqa: F401  (each module registers its optimizers)
     adafactor,

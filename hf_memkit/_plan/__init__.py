@@ -3,11 +3,16 @@
 Data flow: ``PlanRequest`` (validated once) -> ``space`` (candidates: method x rung x precision
 x optimizer x searched techniques x micro-batch) -> ``cost`` (relative time per sample) ->
 ``search`` (lower bounds, then exact estimates, in ladder order) -> ``emit`` (TrainingArguments,
-model and accelerate kwargs) -> ``result.Plan``. ``reverse`` answers "how large can it be?";
-``read`` checks a plan read back from JSON (``Plan.from_json``).
+model and accelerate kwargs) -> ``result.Plan``. ``lengths`` plans from the rows' lengths,
+``sequence`` splits sequences over ranks when they cannot each hold whole ones, ``rungs`` says
+what each rung of the chosen setup saved (``Plan.ladder``). ``reverse`` answers "how large can
+it be?"; ``serialize`` and ``read`` write a plan as JSON and check it when read back
+(``Plan.from_json``).
 
 With ``method="auto"`` full fine-tuning wins whenever some full setup fits (LoRA changes what is
-trained, so it is a fallback, never a speed trick).
+trained, so it is a fallback, never a speed trick). The rules, and why: docs/fitting.md. A
+hub: it drives every engine and trainer through its registry entry and names none
+(docs/extending.md).
 """
 
 from __future__ import annotations
@@ -35,7 +40,6 @@ from .lengths import Lengths, length_problems
 from .request import PlanRequest, Problem
 from .result import MEMORY_FIELDS, Plan
 from .reverse import max_batch_size, max_seq_len
-from .rl import plan_beside_vllm
 from .rungs import ladder_savings
 from .search import Search
 from .sequence import plan_split
@@ -85,7 +89,7 @@ def _finish(s: Search, cands: list[Candidate], chosen: Candidate) -> Plan:
         if c.rel_time is not None:
             c.rel_time = c.rel_time / base_time
     spec, peft_cfg, quant = s.book.get(chosen.method, chosen.precision)
-    attn, attn_why = attention(s.book.base, req.dev, chosen.precision, req.cp)
+    attn, attn_why = attention(s.book.base, req.dev, chosen.precision, req.split.cp)
     notes = s.notes + [f"attention: {attn} ({attn_why})"]
     method = METHODS.get(chosen.method)
     if method.note:
@@ -103,7 +107,8 @@ def _finish(s: Search, cands: list[Candidate], chosen: Candidate) -> Plan:
         notes.append(f"micro-batch {chosen.micro_batch} x {chosen.grad_accum} accumulation steps "
                      f"x {req.data_parallel} data-parallel rank(s) = {req.target_batch_size}")
     ta = training_args(chosen, s.ctx, s.eval_batch(chosen))
-    parallel = parallel_summary(chosen, ta, s.setup_of(chosen).sharding, req.nodes, notes,
+    setup = s.setup_of(chosen)
+    parallel = parallel_summary(chosen, ta, setup.sharding, setup.parallel, req.nodes, notes,
                                 chosen.estimate)
     return Plan(device=req.dev, model_name=_model_name(req.model, s.book.base),
                 seq_len=req.seq_len, target_batch_size=req.target_batch_size,
@@ -123,7 +128,7 @@ def _request(model: Any, *, seq_len: int | None = None, target_batch_size: int,
              max_len: Any = None, **constraints: Any) -> PlanRequest:
     headroom = resolve_headroom(headroom, max_memory, "plan_training", stacklevel=4)
     if trainer is not None:
-        trainer = trainer_of_args(None, trainer)  # a clear error for GRPO, RLOO, a typo
+        trainer = trainer_of_args(None, trainer)  # a clear error: a trainer not modelled, a typo
     if isinstance(lengths, Iterator):  # read once: checked, then planned
         lengths = list(lengths)
     problems = length_problems(lengths, mean_len, max_len, trainer, seq_len)
@@ -145,24 +150,86 @@ def plan_training(model: Any, *, seq_len: int | None = None, target_batch_size: 
                   cuda_version: str | None = None, trainer: str | None = None,
                   lengths: Any = None, mean_len: float | None = None, max_len: int | None = None,
                   **constraints: Any) -> Plan:
-    """Choose the fastest setup whose predicted ``device_used`` fits the memory budget.
+    """Choose the fastest training setup whose predicted memory fits the device's budget.
 
-    ``constraints`` pin TrainingArguments fields (e.g. ``optim="adamw_torch_fused"``,
-    ``activation_checkpointing=False``) or restrict the search (``micro_batch=4``).
-    ``num_gpus`` ranks over ``num_nodes`` nodes: DDP when a replica fits, else FSDP2
-    (``engine="fsdp"``, the default) or DeepSpeed ZeRO (``engine="deepspeed"``) sharding, and
-    CPU offload only as the last rung; ``engine="ddp"`` never shards. ``host_memory`` (bytes or
-    "512GiB", per node) bounds what offload may keep in CPU RAM; planning for this machine it
-    defaults to its RAM, for a catalog GPU offload is only noted with what it needs.
-    ``cuda_version``: the target's CUDA (``estimate_memory``); default the installed torch's.
-    ``trainer``: "sft" / "dpo" plans for TRL's ``SFTTrainer`` / ``DPOTrainer`` step (their
-    fused head, DPO's chosen+rejected rows and reference model); ``constraints`` may then pin
-    that config's fields (``packing=True``), ``max_length`` is ``seq_len`` unless pinned, and
-    ``to_training_args()`` builds the trainer's config (or ``apply_to`` your own).
-    ``lengths`` (the rows' token counts) or ``mean_len`` + ``max_len``, with ``trainer="sft"``
-    and instead of ``seq_len``: micro-batches are planned in tokens, padded (peaking at the
-    longest row) or padding-free (the rows flattened; peaking at the most tokens a micro-batch
-    can hold) where the model's attention takes sequence boundaries from ``position_ids``.
+    A setup fits when its estimate's `upper` (`required` plus the margin) is within the budget
+    (docs/fitting.md). With `method="auto"` full fine-tuning wins whenever some full setup fits
+    (LoRA changes what is trained, so it is a fallback, never a speed trick). `num_gpus` ranks
+    over `num_nodes` nodes: DDP when a replica fits, else FSDP2 (`engine="fsdp"`, the default)
+    or DeepSpeed ZeRO (`engine="deepspeed"`) sharding, and CPU offload only as the last rung;
+    `engine="ddp"` never shards. The effective batch (micro-batch x accumulation x data-parallel
+    ranks) is `target_batch_size` exactly.
+
+    Args:
+        model (`torch.nn.Module`, `PretrainedConfig`, `str` or `os.PathLike`):
+            What `estimate_memory` takes: a model (any device), a config, a catalog name or a
+            local directory.
+        seq_len (`int`, *optional*):
+            The longest sequence of a batch, at most 2**24 tokens. Not with `lengths` or
+            `mean_len` + `max_len`, which replace it.
+        target_batch_size (`int`):
+            The effective batch, per optimizer step over all ranks; the data-parallel ranks
+            must divide it (or it them, where the planner may split sequences over ranks).
+        device (`DeviceInfo` or `str`, *optional*):
+            A `DeviceInfo`, a catalog name or `"cpu"`; `None` plans for this machine's device,
+            whose free memory then bounds the budget too.
+        num_gpus (`int`, *optional*):
+            Ranks over all nodes; defaults to 1.
+        method (`str`, *optional*, defaults to `"auto"`):
+            `"auto"`, `"full"`, `"lora"` or `"qlora"`.
+        headroom (`float`, *optional*, defaults to 0.05):
+            The fraction of device memory kept free for other users of the GPU, in [0, 1).
+        max_memory (`int` or `str`, *optional*):
+            Bytes or `"20GiB"`: replaces the device's budget entirely (headroom with it).
+        task (`str`, *optional*):
+            Picks the head for a config or a name (as in `estimate_memory`).
+        num_nodes (`int`, *optional*, defaults to 1):
+            Nodes the `num_gpus` ranks are spread over; must divide `num_gpus`.
+        engine (`str`, *optional*, defaults to `"auto"`):
+            `"auto"`, `"ddp"`, `"fsdp"` or `"deepspeed"`: the engine that shards when a
+            replica does not fit.
+        host_memory (`int` or `str`, *optional*):
+            Bytes or `"512GiB"`, per node: bounds what offload may keep in CPU RAM. Planning
+            for this machine it defaults to its RAM; for a catalog GPU offload is only noted
+            with what it needs.
+        cuda_version (`str`, *optional*):
+            The target's CUDA (as in `estimate_memory`); default the installed torch's.
+        trainer (`str`, *optional*):
+            `"sft"` / `"dpo"` plan for TRL's `SFTTrainer` / `DPOTrainer` step (their fused
+            head, DPO's chosen+rejected rows and reference model), `"grpo"` / `"rloo"` for
+            TRL's online RL trainers (a colocated vLLM's share of the GPU planned first, when
+            their config colocates one); default `transformers.Trainer`. For a TRL trainer
+            `constraints` may pin its config's fields (`packing=True`), `max_length` is
+            `seq_len` unless pinned, and `to_training_args()` builds the trainer's config (or
+            `apply_to` your own).
+        lengths (`Sequence[int]`, *optional*):
+            With `trainer="sft"` and instead of `seq_len`: the rows' token counts.
+            Micro-batches are then planned in tokens, padded (peaking at the longest row) or
+            padding-free (the rows flattened; peaking at the most tokens a micro-batch can
+            hold) where the model's attention takes sequence boundaries from `position_ids`.
+        mean_len (`float`, *optional*):
+            With `max_len`, instead of `lengths`: the rows' mean token count
+            (0 < `mean_len` <= `max_len`).
+        max_len (`int`, *optional*):
+            With `mean_len`: the longest row, which is then the sequence length.
+        **constraints:
+            Pin TrainingArguments (or TRL config) fields, kept as given (e.g.
+            `optim="adamw_torch_fused"`, `activation_checkpointing=False`), or restrict the
+            search (`micro_batch=4`).
+
+    Returns:
+        `Plan`: the chosen setup (`chosen`, its `estimate`), every candidate considered, the
+        arguments to train with (`training_args_kwargs`, `to_training_args()`), the model's
+        loading kwargs, LoRA config and what a multi-GPU run needs.
+
+    Raises:
+        ConfigError: Every problem of the request at once: a value out of range, an unknown
+            `method`, `engine` or constraint, a pin of the wrong type, a precision the device
+            refuses, ranks that do not divide `target_batch_size`, a micro-batch or
+            accumulation that does not complete it, more GPUs than the machine or a node holds,
+            `lengths` / `mean_len` + `max_len` beside `seq_len` or without `trainer="sft"`.
+        HfMemkitError: When no setup fits (the error names the smallest memory any setup
+            needs, and which), for an unknown model or device, or a trainer not modelled.
     """
     req = _request(model, seq_len=seq_len, target_batch_size=target_batch_size, device=device,
                    num_gpus=num_gpus, method=method, headroom=headroom, max_memory=max_memory,
@@ -170,11 +237,12 @@ def plan_training(model: Any, *, seq_len: int | None = None, target_batch_size: 
                    cuda_version=cuda_version, trainer=trainer, lengths=lengths,
                    mean_len=mean_len, max_len=max_len, **constraints)
     req.raise_problems("plan_training")
-    return plan_beside_vllm(req, _plan)
+    # what the trainer brings besides its step is planned around the search (a colocated vLLM)
+    return req.trainer_kind.plan_around(req, _plan, lambda: SpecBook(req, {}).base)
 
 
 def _plan(req: PlanRequest) -> Plan:
-    if req.cp == req.sp == 1 and req.target_batch_size % req.ranks:  # fewer sequences than ranks
+    if req.split.plain and req.target_batch_size % req.ranks:  # fewer sequences than ranks
         return plan_split(req, _plan, None)
     try:
         s, cands = search_for(req)
@@ -182,7 +250,7 @@ def _plan(req: PlanRequest) -> Plan:
     except ConfigError:
         raise
     except HfMemkitError as exc:
-        if req.cp > 1 or req.sp > 1 or not req.splits_sequences:
+        if not req.split.plain or not req.splits_sequences:
             raise
         return plan_split(req, _plan, exc)
 
@@ -206,17 +274,34 @@ def _as_given(model: Any) -> tuple[Method, torch.dtype, str]:
 
 
 def auto_training_args(model: Any, *, base_args: Any = None, **kwargs: Any):
-    """The TrainingArguments of the fastest setup that fits ``model`` as it is given.
+    """The training arguments of the fastest setup that fits `model` as it is given.
 
-    A loaded model is planned as it is (a plain model: full fine-tuning in its own dtype; a
-    peft model: its own adapters, on its own 16-bit or quantized base), and its attention kernel
-    is set to the plan's in place; what the arguments switch on (checkpointing, optimizer,
-    precision) the Trainer applies. Setups that need the model loaded or wrapped otherwise
-    (LoRA, QLoRA, an 8-bit base, pure bf16 weights) are not returned: when only such a setup
-    fits, the error says so, and ``plan_training`` + ``plan.prepare(model)`` applies it.
-    ``output_dir`` and other TrainingArguments that do not change memory are applied as
-    overrides; ``base_args`` (TrainingArguments, SFTConfig, ...) gets the plan through
-    ``Plan.apply_to`` and keeps its other fields.
+    A loaded model is planned as it is (a plain model: full fine-tuning in its own dtype; a peft
+    model: its own adapters, on its own 16-bit or quantized base), and its attention kernel is
+    set to the plan's in place; what the arguments switch on (checkpointing, optimizer,
+    precision) the Trainer applies. A name or a config is planned as loaded later, in fp32 with
+    no adapters. Setups that need the model loaded or wrapped otherwise (LoRA, QLoRA, an 8-bit
+    base, pure bf16 weights) are not returned: when only such a setup fits, the error says so,
+    and `plan_training` + `plan.prepare(model)` applies it.
+
+    Args:
+        model (`torch.nn.Module`, `PretrainedConfig`, `str` or `os.PathLike`):
+            The model, as `plan_training` takes it.
+        base_args (`TrainingArguments`, *optional*):
+            Your own arguments (`TrainingArguments`, `SFTConfig`, ...): they get the plan
+            through `Plan.apply_to` and keep their other fields.
+        **kwargs:
+            `plan_training`'s arguments (`seq_len`, `target_batch_size`, ...; a `method` the
+            model is ready for). `output_dir` and other TrainingArguments fields that do not
+            change memory are applied as overrides.
+
+    Returns:
+        `TrainingArguments` (or the TRL trainer's config), or `base_args`' class with the plan.
+
+    Raises:
+        ConfigError: The request's problems, as in `plan_training`.
+        HfMemkitError: When only a setup that needs the model prepared otherwise fits, no
+            setup fits, `method` asks for such a setup, or a quantized base has no adapters.
     """
     fields = training_args_fields()
     overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in fields and k not in MEMORY_FIELDS}

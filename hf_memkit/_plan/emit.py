@@ -9,14 +9,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._device.probe import DeviceInfo
-from .._engines import ENGINES, EmitContext, Sharding
+from .._engines import ENGINES, EmitContext, ParallelDims, Sharding
 from .._estimate import MemoryEstimate
 from .._methods import METHODS
 from .._optimizers import get_optimizer_profile
 from .._techniques import TECHNIQUES, searched
 from .._techniques.checkpointing import NAME as CHECKPOINTING
 from .._units import format_bytes
-from .space import Candidate, rung_of
+from .space import SINGLE, Candidate, rung_of
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,8 @@ def training_args(c: Candidate, ctx: ArgsContext, eval_batch: int | None = None)
     ta.update(engine.emit(rung, EmitContext(
         ranks=ctx.ranks, micro_batch=c.micro_batch, grad_accum=c.grad_accum,
         precision=c.precision, checkpointing=c.checkpointing and owns, hidden=ctx.hidden,
-        layer_class=ctx.layer_class, max_grad_norm=float(ctx.pins.get("max_grad_norm", 1.0)))))
+        layer_class=ctx.layer_class, max_grad_norm=float(ctx.pins.get("max_grad_norm", 1.0)),
+        dims=rung.dims.over(ctx.ranks))))
     return ta
 
 
@@ -102,14 +103,15 @@ def accelerator_kwargs(c: Candidate, ta: dict[str, Any]) -> dict[str, Any]:
     return acc
 
 
-def parallel_summary(c: Candidate, ta: dict[str, Any], sh: Sharding, nodes: int,
-                     notes: list[str], est: MemoryEstimate | None) -> dict[str, Any]:
-    """What the plan says about running on several GPUs (and checks its emitted configs)."""
-    if c.parallel == "single":
+def parallel_summary(c: Candidate, ta: dict[str, Any], sh: Sharding, dims: ParallelDims,
+                     nodes: int, notes: list[str], est: MemoryEstimate | None) -> dict[str, Any]:
+    """What the plan says about running on several GPUs (and checks its emitted configs;
+    ``dims``: the degrees the run launches with)."""
+    if c.parallel == SINGLE.name:
         return {}
     out: dict[str, Any] = {"strategy": c.parallel, "engine": sh.engine, "label": sh.label(),
                            "num_nodes": nodes}
-    ENGINES.get(sh.engine).check_emitted(ta, sh, notes)
+    ENGINES.get(sh.engine).check_emitted(ta, sh, dims, notes)
     if est is not None and est.host_offloaded:
         per_node = est.host_offloaded * (sh.world_size // max(1, nodes))
         notes.append(f"offload keeps {format_bytes(per_node)} in host RAM per node "

@@ -25,6 +25,8 @@ from .._errors import ConfigError, HfMemkitError, did_you_mean, quoted
 from .._estimate import MemoryEstimate
 from .._methods import METHODS
 from .._model.profile import ATTN_IMPLEMENTATIONS
+from .._trainers import TRAINER_KEY
+from .._units import is_positive_int
 from . import serialize as ser
 from .request import PlanRequest
 from .space import Candidate
@@ -32,15 +34,11 @@ from .space import Candidate
 REMAKE = "make it again with plan.to_json() or hf-memkit plan --json"
 SOURCE = f"the plan JSON ({REMAKE})"
 # written for readers (to_dict; `hf-memkit plan --json` adds the trainer's name), not read back
-DERIVED = ("chosen", "candidates_not_estimated", "trainer")
+DERIVED = ("chosen", "candidates_not_estimated", TRAINER_KEY)
 MODEL_KWARGS = ("attn_implementation", "dtype", "quantization_config")
 POSITIVE = ("seq_len", "target_batch_size", "num_gpus", "num_nodes", "budget")
 MAPPINGS = ("training_args_kwargs", "model_kwargs", "accelerator_kwargs", "parallel")
 LISTS = ("candidates", "notes", "ladder")
-
-
-def _positive_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
 def _built(problems: list[str], key: str, make: Callable[[], Any]) -> Any:
@@ -98,7 +96,7 @@ def _shape_problems(d: dict[str, Any], fields: dict[str, Any]) -> list[str]:
     if missing:
         out.append(f"missing field(s): {', '.join(missing)}")
     for k in POSITIVE:
-        if k in d and not _positive_int(d[k]):
+        if k in d and not is_positive_int(d[k]):
             out.append(f"{k}: expected a positive integer, got {quoted(d[k])}")
     for keys, kind, what in ((MAPPINGS, dict, "an object"), (LISTS, list, "a list")):
         for k in keys:
@@ -127,7 +125,7 @@ def _candidates(items: list[Any], problems: list[str]) -> list[Candidate]:
         for k in bad:
             problems.append(f"{key}.{k}: unknown field{did_you_mean(str(k), names)}")
         for k in ("micro_batch", "grad_accum"):
-            if not _positive_int(c.get(k)):
+            if not is_positive_int(c.get(k)):
                 problems.append(f"{key}.{k}: expected a positive integer, got "
                                 f"{quoted(c.get(k))}")
         if c.get("method") not in methods:

@@ -2,7 +2,7 @@
 
 ``plan_training``, the CLI and the recipe loader all build a ``PlanRequest`` and report its
 problems; each problem names the request field it is about (``Problem.field``), so a recipe can
-say which YAML key holds the bad value. Fitting rules (DESIGN.md): budget = ``max_memory`` or
+say which YAML key holds the bad value. Fitting rules (docs/fitting.md): budget = ``max_memory`` or
 ``total_memory x (1 - headroom)``, and no more than ``free_memory`` when planning for the device
 this process runs on; the effective batch (micro-batch x accumulation x ranks) equals
 ``target_batch_size`` exactly.
@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 from .._cuda.runtime import parse_cuda_version
 from .._device.precision import PrecisionIssue, precision_issues
 from .._device.probe import DeviceInfo, probe_device, resolve_device
-from .._engines import ENGINES, engine_choices
+from .._engines import ENGINES, Engine, ParallelDims, engine_choices
 from .._engines.dims import read_dims
 from .._errors import ConfigError, HfMemkitError, did_you_mean, excerpt, quoted
 from .._estimate.budget import (
@@ -30,9 +30,9 @@ from .._estimate.budget import (
 )
 from .._methods import METHODS, method_choices
 from .._setup.fields import check_field, config_fields
-from .._trainers import TRAINER, TRAINERS
+from .._trainers import TRAINER, TRAINERS, TrainerKind
 from .._trainers.packing import MAX_TOKENS
-from .._units import parse_bytes
+from .._units import divisors, is_positive_int, parse_bytes
 
 # GPUs one node of the catalog cards holds (HGX/DGX boards); more need num_nodes.
 MAX_GPUS_PER_NODE = 8
@@ -49,18 +49,10 @@ class Problem(NamedTuple):
         return self.detail or self.message
 
 
-def _positive_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
-
-
 def _choice_problem(name: str, value: Any, allowed: list[str]) -> Problem:
     detail = (f"expected one of {', '.join(allowed)}, got {quoted(value)}"
               f"{did_you_mean(str(value), allowed)}")
     return Problem(name, f"{name} `{excerpt(value)}` is unknown; {detail}", detail)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass
@@ -85,9 +77,9 @@ class PlanRequest:
     cuda_version: str | None = None
     trainer: str | None = None        # a registered trainer (_trainers); None: Trainer
     lengths: Any = None               # _plan.lengths.Lengths: the rows' lengths (SFT)
-    cp: int = 1                       # the planner's context parallelism (_plan.sequence)
-    cp_comm: str = "allgather"        # ... and its ring attention's rotation
-    sp: int = 1                       # the planner's sequence parallelism (engine="deepspeed")
+    # the planner's own split of each sequence over ranks (context or sequence parallelism,
+    # ``_plan.sequence``): its non-data-parallel degrees; none by default
+    split: ParallelDims = field(default_factory=ParallelDims)
 
     # -- derived ------------------------------------------------------------------------------
     @property
@@ -100,26 +92,39 @@ class PlanRequest:
 
     @property
     def ranks(self) -> int:
-        return self.num_gpus if _positive_int(self.num_gpus) else 1
+        return self.num_gpus if is_positive_int(self.num_gpus) else 1
 
     @property
     def nodes(self) -> int:
-        return self.num_nodes if _positive_int(self.num_nodes) else 1
+        return self.num_nodes if is_positive_int(self.num_nodes) else 1
+
+    @property
+    def trainer_kind(self) -> TrainerKind:
+        """The registered trainer the plan is for (``_trainers``)."""
+        return TRAINERS.get(self.trainer or TRAINER.name)
+
+    @property
+    def sharding_engine(self) -> Engine:
+        """The engine that shards when a replica does not fit: the one asked for, else the
+        default sharding engine (``Engine.default_sharding``)."""
+        if self.engine != "auto":
+            return ENGINES.get(self.engine)
+        return next(e for e in ENGINES if e.default_sharding)
 
     @property
     def splits_sequences(self) -> bool:
-        """Whether the planner may split sequences over ranks (context parallelism on FSDP2,
-        sequence parallelism for ``engine="deepspeed"``): several ranks, the Trainer or SFT, no
-        engine or parallelism_config of the user's."""
-        return self.ranks > 1 and self.engine in ("auto", "fsdp", "deepspeed") and \
-            (self.trainer or "trainer") in ("trainer", "sft") and \
-            "parallelism_config" not in self.pins and \
+        """Whether the planner may split sequences over ranks (``Engine.sequence_splits``:
+        context parallelism on FSDP2, sequence parallelism on DeepSpeed): several ranks, an
+        engine that splits them, a trainer whose step is split (``TrainerKind.sequence_split``),
+        no engine or parallelism_config of the user's."""
+        return self.ranks > 1 and self.sharding_engine.split_kind is not None and \
+            self.trainer_kind.sequence_split and "parallelism_config" not in self.pins and \
             not any(e.selected(self.pins.get) for e in ENGINES)
 
-    @property
-    def data_parallel(self) -> int:
-        """Ranks that take different sequences: all of them, but for the planner's sequence
-        split or a pinned ``parallelism_config``'s tensor / context / sequence degrees."""
+    @cached_property
+    def dims(self) -> ParallelDims:
+        """The run's tensor / context / sequence degrees: a pinned ``parallelism_config``'s
+        (read once here), else the planner's ``split``."""
         pinned = self.pins.get("parallelism_config")
         if pinned:
             try:
@@ -127,19 +132,35 @@ class PlanRequest:
             except ConfigError:  # said by normalize_args, with the other problems
                 dims = None
             if dims is not None:
-                return max(1, self.ranks // dims.non_data_parallel)
-        return self.ranks // (self.cp * self.sp)
+                return dims
+        return self.split
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that take different sequences (``ParallelDims``: all of them but for the
+        tensor / context / sequence degrees)."""
+        return max(1, self.ranks // self.dims.non_data_parallel)
 
     @property
     def per_rank(self) -> int:
         return self.target_batch_size // self.data_parallel
 
     @cached_property
+    def config_defaults(self) -> dict[str, Any]:
+        """Every field of the trainer's installed config class with its default
+        (``_setup.fields``), read once."""
+        return config_fields(self.trainer_kind.config_type())
+
+    def get(self, name: str) -> Any:
+        """A field of the trainer's config as the plan will emit it: the pin, else the
+        config's default."""
+        return self.pins.get(name, self.config_defaults.get(name))
+
+    @cached_property
     def pins(self) -> dict[str, Any]:
         """The constraints that are fields of the trainer's config; a TRL trainer's
         ``max_length`` is the planned ``seq_len`` unless pinned (it truncates the rows)."""
-        kind = TRAINERS.get(self.trainer or TRAINER.name)
-        fields = config_fields(kind.config_type())
+        fields = self.config_defaults
         out = {k: v for k, v in self.constraints.items() if k in fields}
         if "max_length" in fields and "max_length" not in out and self.seq_len:
             out["max_length"] = self.seq_len
@@ -154,7 +175,7 @@ class PlanRequest:
             return [self.pins["per_device_train_batch_size"]]
         if "micro_batch" in self.search:
             return [self.search["micro_batch"]]
-        return _divisors(self.per_rank)
+        return divisors(self.per_rank)
 
     def budget(self) -> int:
         # one rule for plans and estimates (_estimate.budget): max_memory, else total x
@@ -184,9 +205,9 @@ class PlanRequest:
         out = []
         for name in ("seq_len", "target_batch_size"):
             v = getattr(self, name)
-            if not (self.partial and v is None) and not _positive_int(v):
+            if not (self.partial and v is None) and not is_positive_int(v):
                 out.append(Problem(name, f"{name} must be a positive integer, got {v!r}"))
-        if _positive_int(self.seq_len) and self.seq_len > MAX_TOKENS:
+        if is_positive_int(self.seq_len) and self.seq_len > MAX_TOKENS:
             out.append(Problem("seq_len", f"seq_len must be at most {MAX_TOKENS} tokens (2**24), "
                                           f"got {self.seq_len}"))
         if headroom_problem(self.headroom):
@@ -200,7 +221,7 @@ class PlanRequest:
                 out.append(Problem("host_memory", f"host_memory: {exc}"))
         for name in ("num_gpus", "num_nodes"):
             v = getattr(self, name)
-            if v is not None and not _positive_int(v):
+            if v is not None and not is_positive_int(v):
                 out.append(Problem(name, f"{name} must be a positive integer, got {v!r}"))
         if self.cuda_version is not None:
             try:
@@ -217,7 +238,7 @@ class PlanRequest:
     def _pin_problems(self) -> list[Problem]:
         """Pins by their field's type and range, as Python values: ``bf16="False"`` is refused
         (transformers reads it as true), as in an ``estimate_memory`` dict (``_setup.fields``)."""
-        kind = TRAINERS.get(self.trainer or TRAINER.name)
+        kind = self.trainer_kind
         cls = kind.config_type()
         out = []
         for k, v in self.pins.items():
@@ -229,18 +250,16 @@ class PlanRequest:
             return out
         # what the trainer refuses when it is built, as the plan would emit it (planned from
         # lengths, padding-free rows take max_length=None unless it is pinned)
-        pins, fields = dict(self.pins), config_fields(cls)
-        if self.lengths is not None and "max_length" not in self.constraints:
-            pins["max_length"] = None
+        free = self.lengths is not None and "max_length" not in self.constraints
 
         def get(name: str) -> Any:
-            v = pins.get(name, fields.get(name))
+            v = None if free and name == "max_length" else self.get(name)
             return getattr(v, "value", v)  # enums -> str, as normalize_args reads them
 
         why = "" if "max_length" in self.constraints else \
             " (a plan's max_length is its seq_len unless pinned)"
         options = kind.read(get)
-        target = self.target_batch_size if _positive_int(self.target_batch_size) else None
+        target = self.target_batch_size if is_positive_int(self.target_batch_size) else None
         return [Problem("padding_free", m + why) for m in kind.config_problems(options)] + [
             Problem("target_batch_size", m) for m in (
                 kind.target_problems(options, target, self.ranks) if target else [])]
@@ -312,7 +331,7 @@ class PlanRequest:
         """The target-batch rule: ranks divide the target, the micro-batch divides the per-rank
         batch, and a pinned accumulation completes it exactly."""
         target, ranks = self.target_batch_size, self.data_parallel
-        if not _positive_int(target):
+        if not is_positive_int(target):
             return []
         if target % ranks and not (ranks % target == 0 and self.splits_sequences):
             lo = target - target % ranks
@@ -327,16 +346,16 @@ class PlanRequest:
     def _micro_batch_problems(self, per_rank: int) -> list[Problem]:
         pinned = "per_device_train_batch_size" in self.pins
         mb = self.pins.get("per_device_train_batch_size", self.search.get("micro_batch"))
-        if not _positive_int(mb):
+        if not is_positive_int(mb):
             return []
         key = "per_device_train_batch_size" if pinned else "micro_batch"
         gpus = f"target_batch_size {self.target_batch_size} / {self.ranks} GPU(s)"
         if per_rank % mb:
             return [Problem(key, f"micro-batch {mb} does not divide the per-GPU batch {per_rank}"
                                  f" ({gpus}); divisors: "
-                                 f"{', '.join(map(str, _divisors(per_rank)))}")]
+                                 f"{', '.join(map(str, divisors(per_rank)))}")]
         accum = self.pins.get("gradient_accumulation_steps")
-        if _positive_int(accum) and mb * accum != per_rank:
+        if is_positive_int(accum) and mb * accum != per_rank:
             return [Problem("gradient_accumulation_steps",
                             f"micro-batch {mb} x accumulation {accum} x {self.ranks} GPU(s) = "
                             f"{mb * accum * self.ranks}, not target_batch_size "

@@ -18,25 +18,64 @@ from .._engines.single import SINGLE
 from .._errors import HfMemkitError
 from .._estimate import MemoryEstimate
 from .._methods import METHODS
+from .._setup.coverage import ENGINE_FIELDS
 from .._setup.fields import training_args_fields
 from .._techniques import TECHNIQUES
 from .._techniques.checkpointing import NAME as CHECKPOINTING
+from .._trainers import TRAINER, TRAINERS
 from .._units import format_bytes
 from . import read
 from . import serialize as ser
 from .emit import trainer_checkpointing
 from .space import Candidate
 
-# TrainingArguments fields whose override re-estimates the plan.
+# TrainingArguments fields whose override re-estimates the plan: the batch, precision and
+# optimizer, what the engines and the parallel degrees read (``ENGINE_FIELDS``) and the
+# techniques' fields.
 MEMORY_FIELDS = frozenset({
     "per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16", "optim",
-    "optim_args", "fsdp", "fsdp_config", "deepspeed", "parallelism_config",
-    *(f for t in TECHNIQUES for f in t.fields)})
+    "optim_args", *ENGINE_FIELDS, *(f for t in TECHNIQUES for f in t.fields)})
 
 
 @dataclass
 class Plan:
-    """The chosen setup, every candidate considered, and how to apply it."""
+    """The chosen setup, every candidate considered, and how to apply it.
+
+    Made by `plan_training` (read back with `from_dict` / `from_json`); sizes in bytes.
+
+    Attributes:
+        device (`DeviceInfo`):
+            The device planned for.
+        model_name (`str` or `PretrainedConfig`):
+            The model's catalog name or path, else its config (what re-estimates load).
+        seq_len (`int`):
+            The longest sequence of a batch.
+        target_batch_size (`int`):
+            The effective batch: micro-batch x accumulation x data-parallel ranks.
+        num_gpus (`int`):
+            Ranks over all nodes.
+        method (`str`):
+            The method asked for (`"auto"`, `"full"`, `"lora"`, `"qlora"`); `chosen` has the
+            one picked.
+        budget (`int`):
+            What one rank's step must fit in.
+        training_args_kwargs (`dict`):
+            `TrainingArguments` (or TRL config) fields.
+        model_kwargs (`dict`):
+            For `from_pretrained`: `attn_implementation`, `dtype`, `quantization_config`.
+        peft_config (`peft.LoraConfig` or `None`):
+            The adapters of a LoRA / QLoRA plan.
+        accelerator_kwargs (`dict`):
+            accelerate's settings: mixed precision, accumulation, the engine's plugin.
+        candidates (`list[Candidate]`):
+            Every setup considered, each with its estimate or the reason it was rejected.
+        notes (`list[str]`):
+            What was assumed, chosen or changed, in words.
+        num_nodes (`int`):
+            Nodes the ranks are spread over.
+        parallel (`dict`):
+            With several GPUs: the engine, the strategy and the launch details.
+    """
 
     device: DeviceInfo
     model_name: str
@@ -65,28 +104,42 @@ class Plan:
 
     @property
     def ladder(self) -> list[dict[str, Any]]:
-        """What each memory rung of the chosen setup saved (``_plan.rungs.ladder_savings``).
-        Estimated on first use (``explain()``, ``to_json()``): a plan that is only applied
-        does not pay for the setups below its rungs."""
+        """`list[dict]`: what each memory rung of the chosen setup saved
+        (`_plan.rungs.ladder_savings`). Estimated on first use (`explain()`, `to_json()`): a
+        plan that is only applied does not pay for the setups below its rungs."""
         if callable(self._ladder):
             self._ladder = self._ladder()
         return self._ladder
 
     @property
     def chosen(self) -> Candidate:
+        """`Candidate`: the chosen setup."""
         return next(c for c in self.candidates if c.chosen)
 
     @property
     def estimate(self) -> MemoryEstimate | None:
+        """`MemoryEstimate` or `None`: the chosen setup's estimate."""
         return self.chosen.estimate
 
     # -- using it ---------------------------------------------------------------------------
     def to_training_args(self, **overrides: Any):
-        """``TrainingArguments`` of the plan (build it on the target machine); a plan for a TRL
-        trainer builds its config (``SFTConfig``, ``DPOConfig``). An override that changes
-        memory is re-estimated; if the result no longer fits, a warning shows it."""
-        from .._trainers import TRAINER
+        """Build the plan's `TrainingArguments`; call it on the target machine.
 
+        A plan for a TRL trainer builds its config (`SFTConfig`, `DPOConfig`, ...). An
+        override that changes memory is re-estimated; if the result no longer fits, a warning
+        shows it.
+
+        Args:
+            **overrides:
+                Fields set over the plan's (`output_dir` defaults to `"hf_memkit_output"`).
+
+        Returns:
+            `TrainingArguments` or the TRL trainer's config.
+
+        Raises:
+            HfMemkitError: When the config class refuses the plan on this machine (it checks
+                `bf16`, `fp16` and `tf32` against the machine that builds it).
+        """
         est = self.chosen.estimate if self.chosen is not None else None
         kind = est.setup.trainer_kind if est is not None else TRAINER
         TrainingArguments = kind.config_type()  # noqa: N806 - the class the user would name
@@ -99,12 +152,25 @@ class Plan:
         return self._build(lambda: TrainingArguments(**kwargs), TrainingArguments.__name__)
 
     def apply_to(self, args: Any) -> Any:
-        """``args`` (``TrainingArguments`` or a subclass: ``SFTConfig``, ``DPOConfig``, your
-        own) with the plan's fields set and every other field kept, as the same class. A planned
-        field that ``args`` had set to another value than its class default is replaced, with a
-        warning naming both values (pin it in ``plan_training`` to keep yours). ``args`` itself
-        is left as it was (``with_fields``: no ``__init__`` of a subclass is called, fields with
-        ``init=False`` and other attributes are kept)."""
+        """Set the plan's fields onto your own arguments, keeping every other field.
+
+        A planned field that `args` had set to another value than its class default is
+        replaced, with a warning naming both values (pin it in `plan_training` to keep yours);
+        a planned field the class lacks is not applied, with a warning. `args` itself is left
+        as it was (`with_fields`: no `__init__` of a subclass is called, fields with
+        `init=False` and other attributes are kept).
+
+        Args:
+            args (`TrainingArguments`):
+                `TrainingArguments` or a subclass (`SFTConfig`, `DPOConfig`, your own).
+
+        Returns:
+            A copy of `args`, of the same class, with the plan's fields.
+
+        Raises:
+            HfMemkitError: When `args` is not `TrainingArguments` (for a dict use
+                `{**args, **plan.training_args_kwargs}`), or its class refuses the plan here.
+        """
         import dataclasses
 
         from transformers import TrainingArguments
@@ -166,7 +232,14 @@ class Plan:
                 stacklevel=3)
 
     def set_attention(self, model: torch.nn.Module) -> None:
-        """Switch a loaded model to the plan's attention kernel, in place."""
+        """Switch a loaded model to the plan's attention kernel, in place.
+
+        A model that refuses it keeps its own, with a warning.
+
+        Args:
+            model (`torch.nn.Module`):
+                The loaded model.
+        """
         attn = self.model_kwargs.get("attn_implementation")
         if attn and hasattr(model, "set_attn_implementation"):
             try:
@@ -175,8 +248,20 @@ class Plan:
                 warnings.warn(f"kept the model's attention ({exc})", stacklevel=3)
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Apply the plan to a loaded model: attention kernel, the method (k-bit preparation,
-        LoRA) and the searched techniques (checkpointing: non-reentrant, safe with PEFT)."""
+        """Apply the plan to a loaded model: attention kernel, method and searched techniques.
+
+        The method's preparation is k-bit preparation and LoRA (with `peft_config`); the
+        techniques' include checkpointing (non-reentrant, safe with PEFT), left to the engine
+        where it owns checkpointing (FSDP: `fsdp_config`) unless the plan's offload needs the
+        Trainer's own.
+
+        Args:
+            model (`torch.nn.Module`):
+                The model, loaded with `model_kwargs`.
+
+        Returns:
+            `torch.nn.Module`: the model to train (a peft model for LoRA / QLoRA).
+        """
         self.set_attention(model)
         engine = self._engine()
         # an engine that owns checkpointing (FSDP: fsdp_config) applies it when it wraps,
@@ -191,8 +276,18 @@ class Plan:
         return model
 
     def launch_commands(self, script: str = "train.py") -> dict[str, str]:
-        """``accelerate launch`` and ``torchrun`` command lines for this plan's GPUs and nodes.
-        (With DeepSpeed, write the config first: ``write_deepspeed_config``.)"""
+        """`accelerate launch` and `torchrun` command lines for this plan's GPUs and nodes.
+
+        With DeepSpeed, write the config first (`write_deepspeed_config`).
+
+        Args:
+            script (`str`, *optional*, defaults to `"train.py"`):
+                The training script.
+
+        Returns:
+            `dict[str, str]`: `"accelerate"`, `"torchrun"` and `"accelerate_config"` (with
+            `accelerate_config()` written to `accelerate_config.yaml`).
+        """
         engine = self._engine()
         out = launch_commands(script=script, num_gpus=self.num_gpus, num_nodes=self.num_nodes,
                               engine=engine.name, config_file=engine.config_file)
@@ -201,9 +296,13 @@ class Plan:
         return out
 
     def accelerate_config(self) -> str:
-        """The ``accelerate launch --config_file`` YAML of this plan: processes, precision, the
-        engine's plugin (FSDP2) and ``parallelism_config`` (its degrees), as ``accelerate
-        config`` writes them."""
+        """The `accelerate launch --config_file` YAML of this plan, as `accelerate config`
+        writes it: processes, precision, the engine's plugin (FSDP2) and `parallelism_config`
+        (its degrees).
+
+        Returns:
+            `str`: the YAML text.
+        """
         import yaml
 
         return yaml.safe_dump(ser.accelerate_config(self), sort_keys=False)
@@ -212,17 +311,30 @@ class Plan:
         return ENGINES.get(self.parallel.get("engine", SINGLE.name))
 
     def write_deepspeed_config(self, path: str | os.PathLike = "ds_config.json") -> str:
-        """Write the plan's DeepSpeed config as JSON (pass it as ``deepspeed=path`` too)."""
-        cfg = self.training_args_kwargs.get("deepspeed")
-        if not isinstance(cfg, dict):
+        """Write the plan's DeepSpeed config as JSON (pass it as `deepspeed=path` too).
+
+        Args:
+            path (`str` or `os.PathLike`, *optional*, defaults to `"ds_config.json"`):
+                The file to write.
+
+        Returns:
+            `str`: `path`.
+
+        Raises:
+            HfMemkitError: When the plan does not use DeepSpeed.
+        """
+        cfg = self._engine().config_of(self.training_args_kwargs)
+        if cfg is None:
+            named = next(e.name for e in ENGINES if e.config_file)
             raise HfMemkitError(f"this plan uses {self.parallel.get('label', 'no DeepSpeed')}; "
-                                "plan with engine='deepspeed' for a DeepSpeed config")
+                                f"plan with engine={named!r} for a DeepSpeed config")
         with open(path, "w", encoding="utf-8") as f:
             json.dump(cfg, f, indent=2)
         return str(path)
 
     # -- reading it ---------------------------------------------------------------------------
     def explain(self) -> str:
+        """`str`: the tables a person reads (also `str(plan)`)."""
         from .._views.text import plan_tables, render_to_text
 
         return render_to_text(*plan_tables(self))
@@ -241,14 +353,22 @@ class Plan:
         return plan_html(self)
 
     def rejected_summary(self) -> dict[str, int]:
-        """How many setups were not estimated, by kind of reason."""
+        """`dict[str, int]`: how many setups were not estimated, by kind of reason."""
         return ser.rejected_summary(self.candidates)
 
     def to_dict(self, *, full: bool = True) -> dict[str, Any]:
-        """JSON-ready. ``chosen`` first: the chosen setup, its memory and its arguments.
-        ``full=False`` (``hf-memkit plan --json``): only the estimated setups, the full estimate
-        on the chosen one, and the rest counted by reason in ``candidates_not_estimated``;
-        ``from_dict`` reads both forms."""
+        """The plan as a JSON-ready dict, `"chosen"` first: the chosen setup, its memory and
+        its arguments.
+
+        Args:
+            full (`bool`, *optional*, defaults to `True`):
+                `False` (`hf-memkit plan --json`): only the estimated setups, the full
+                estimate on the chosen one, and the rest counted by reason in
+                `candidates_not_estimated`. `from_dict` reads both forms.
+
+        Returns:
+            `dict[str, Any]`
+        """
         cands = {"candidates": [c.to_dict() for c in self.candidates]} if full else {
             "candidates": ser.compact_candidates(self.candidates),
             "candidates_not_estimated": self.rejected_summary()}
@@ -267,18 +387,52 @@ class Plan:
         }
 
     def to_json(self, *, full: bool = True, **kw: Any) -> str:
-        """``to_dict(full=full)`` as JSON; ``kw`` go to ``json.dumps``."""
+        """`to_dict(full=full)` as JSON.
+
+        Args:
+            full (`bool`, *optional*, defaults to `True`):
+                As in `to_dict`.
+            **kw:
+                Passed to `json.dumps` (`indent=2`, ...).
+
+        Returns:
+            `str`
+        """
         return json.dumps(self.to_dict(full=full), **kw)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
-        """Inverse of ``to_dict`` (either form). What it reads is checked as ``plan_training``
-        would have made it (``_plan.read``): one ``ConfigError`` names every bad field."""
+        """Inverse of `to_dict` (either form).
+
+        What it reads is checked as `plan_training` would have made it (`_plan.read`).
+
+        Args:
+            d (`dict[str, Any]`):
+                A plan's `to_dict()`.
+
+        Returns:
+            `Plan`
+
+        Raises:
+            ConfigError: One error naming every bad field.
+        """
         return cls(**read.plan_kwargs(d, cls))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Plan:
-        """``from_dict`` of a plan's JSON (``to_json``)."""
+        """`from_dict` of a plan's JSON (`to_json`).
+
+        Args:
+            text (`str` or `bytes`):
+                The JSON text.
+
+        Returns:
+            `Plan`
+
+        Raises:
+            HfMemkitError: When the text does not parse as JSON.
+            ConfigError: As `from_dict`: one error naming every bad field.
+        """
         try:
             d = json.loads(text)
         except (ValueError, TypeError) as exc:  # JSONDecodeError, a str that is not UTF-8
@@ -314,16 +468,12 @@ def with_fields(args: Any, values: dict[str, Any]) -> Any:
 
 
 def _rederived(args: Any, planned: dict[str, Any]) -> dict[str, Any]:
-    """``planned`` plus what a TRL online-RL config must derive again from the planned batch:
-    ``GRPOConfig.__post_init__`` derives ``generation_batch_size`` and
-    ``steps_per_generation`` from each other and refuses both set, and an instance holds both.
-    Steps per generation that were the accumulation follow the plan's; others are kept."""
-    if not hasattr(args, "generation_batch_size") or not hasattr(args, "steps_per_generation"):
-        return planned
-    out = {"generation_batch_size": None, **planned}
-    if args.steps_per_generation == args.gradient_accumulation_steps:
-        out.setdefault("steps_per_generation", None)
-    return out
+    """``planned`` plus what ``args``' config class must derive again from the planned batch:
+    the trainer entry whose derived fields ``args`` holds says (``TrainerKind.rederive``)."""
+    for kind in TRAINERS:
+        if kind.derived and all(hasattr(args, f) for f in kind.derived):
+            return kind.rederive(args, planned)
+    return planned
 
 
 def _with_objects(kwargs: dict[str, Any]) -> dict[str, Any]:

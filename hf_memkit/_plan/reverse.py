@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._engines import ENGINES
 from .._errors import ConfigError, HfMemkitError
 from .._estimate.budget import (
     headroom_problem,
@@ -15,6 +16,7 @@ from .._estimate.budget import (
     resolve_headroom,
     unplannable,
 )
+from .._units import is_positive_int
 from .request import PlanRequest
 
 
@@ -40,10 +42,40 @@ class BatchAnswer:
 def max_batch_size(model: Any, args: Any = None, *, seq_len: int, device: Any = None,
                    max_memory: int | str | None = None, headroom: float | None = None,
                    limit: int = 4096, **estimate_kwargs: Any) -> int:
-    """The largest micro-batch of ``args`` (at most ``limit``) whose step fits the device (0 if
-    none). ``headroom``: the fraction of device memory kept free, in [0, 1) (default 0.05);
-    ``max_memory`` (bytes or "20GiB") replaces the device's budget, and headroom with it.
-    ``max_batch_answer`` takes the same arguments and says why (``BatchAnswer``)."""
+    """The largest micro-batch of `args` (at most `limit`) whose step fits the device.
+
+    Each size is estimated with `estimate_memory` (`per_device_train_batch_size` set to it) and
+    fits when its `upper` is within the budget; the search doubles, then bisects. A size whose
+    estimate fails reads as "does not fit", except size 1, whose error is raised.
+    `max_batch_answer` takes the same arguments and says why (`BatchAnswer`).
+
+    Args:
+        model (`torch.nn.Module`, `PretrainedConfig`, `str` or `os.PathLike`):
+            The model, as `estimate_memory` takes it.
+        args (`TrainingArguments`, a TRL config or `dict`, *optional*):
+            The arguments whose micro-batch is searched.
+        seq_len (`int`):
+            The longest sequence of a batch.
+        device (`DeviceInfo` or `str`, *optional*):
+            A `DeviceInfo`, a catalog name or `"cpu"`; `None` for this machine's device.
+        max_memory (`int` or `str`, *optional*):
+            Bytes or `"20GiB"`: replaces the device's budget, and `headroom` with it.
+        headroom (`float`, *optional*, defaults to 0.05):
+            The fraction of device memory kept free, in [0, 1).
+        limit (`int`, *optional*, defaults to 4096):
+            The largest size tried.
+        **estimate_kwargs:
+            Passed on to `estimate_memory` (`num_gpus`, `trainer`, `dtype`, ...).
+
+    Returns:
+        `int`: the largest micro-batch that fits; 0 if none.
+
+    Raises:
+        ConfigError: `seq_len` or `limit` not a positive integer, or a bad `headroom` or
+            `max_memory` (all at once).
+        HfMemkitError: A device that cannot be planned for, or the estimate's error at
+            size 1 (an unknown model or field is raised, never answered with 0).
+    """
     return max_batch_answer(model, args, seq_len=seq_len, device=device, max_memory=max_memory,
                             headroom=headroom, limit=limit, **estimate_kwargs).batch
 
@@ -69,16 +101,46 @@ def max_batch_answer(model: Any, args: Any = None, *, seq_len: int, device: Any 
 def max_seq_len(model: Any, args: Any = None, *, device: Any = None,
                 max_memory: int | str | None = None, headroom: float | None = None,
                 limit: int = 1 << 20, multiple_of: int = 64, **estimate_kwargs: Any) -> int:
-    """The longest ``seq_len`` (a multiple of ``multiple_of``, at most ``limit``) whose step
-    fits (0 if none): "what context length can I train on this card?". ``headroom`` and
-    ``max_memory`` as in ``max_batch_size``. With ``num_gpus=N`` > 1 and ``args`` that name no
-    engine or ``parallelism_config``: "how long can one sequence be on these GPUs", each split
-    over all N (context parallelism on FSDP2 full shard, lengths a multiple of ``2 x N`` too)."""
+    """The longest `seq_len` whose step fits: "what context length can I train on this card?".
+
+    Lengths are multiples of `multiple_of`, at most `limit`; each is estimated with
+    `estimate_memory` and fits when its `upper` is within the budget (the search doubles, then
+    bisects). With `num_gpus=N` > 1 in `estimate_kwargs` and `args` that name no engine or
+    `parallelism_config`: "how long can one sequence be on these GPUs", each split over all N
+    (context parallelism on FSDP2 full shard, lengths a multiple of `2 x N` too).
+
+    Args:
+        model (`torch.nn.Module`, `PretrainedConfig`, `str` or `os.PathLike`):
+            The model, as `estimate_memory` takes it.
+        args (`TrainingArguments`, a TRL config or `dict`, *optional*):
+            The training arguments (their micro-batch is kept).
+        device (`DeviceInfo` or `str`, *optional*):
+            A `DeviceInfo`, a catalog name or `"cpu"`; `None` for this machine's device.
+        max_memory (`int` or `str`, *optional*):
+            As in `max_batch_size`: bytes or `"20GiB"`, replacing the device's budget.
+        headroom (`float`, *optional*, defaults to 0.05):
+            As in `max_batch_size`: the fraction of device memory kept free, in [0, 1).
+        limit (`int`, *optional*, defaults to 1048576):
+            The longest length tried; at least `multiple_of`.
+        multiple_of (`int`, *optional*, defaults to 64):
+            The step between the lengths tried.
+        **estimate_kwargs:
+            Passed on to `estimate_memory` (`num_gpus`, `trainer`, `dtype`, ...).
+
+    Returns:
+        `int`: the longest length that fits; 0 if none.
+
+    Raises:
+        ConfigError: `limit` or `multiple_of` not a positive integer, `limit` below
+            `multiple_of`, or a bad `headroom` or `max_memory` (all at once).
+        HfMemkitError: A device that cannot be planned for, or the estimate's error at
+            the shortest length (an unknown model or field is raised, never answered with 0).
+    """
     headroom = _check("max_seq_len", limit=limit, multiple_of=multiple_of, headroom=headroom,
                       max_memory=max_memory)
     batch = (dict(args) if isinstance(args, dict) else args)
     ranks = estimate_kwargs.get("num_gpus")
-    if _positive_int(ranks) and ranks > 1:
+    if is_positive_int(ranks) and ranks > 1:
         batch, multiple_of = split_over(batch, ranks, multiple_of)
     probe = _Probe(PlanRequest(device=device, max_memory=max_memory, headroom=headroom))
     found = _search(lambda n, strict: probe.fits(model, batch, None, n * multiple_of,
@@ -88,18 +150,19 @@ def max_seq_len(model: Any, args: Any = None, *, device: Any = None,
 
 
 def split_over(args: Any, ranks: int, multiple_of: int) -> tuple[Any, int]:
-    """``args`` with each sequence split over ``ranks`` (FSDP2 full shard + ``cp_size=ranks``)
-    unless they choose an engine or parallel degrees themselves; the length step with it."""
+    """``args`` with each sequence split over ``ranks`` as the default sharding engine splits
+    it (``Engine.split_args``: FSDP2 full shard + ``cp_size=ranks``) unless they choose an
+    engine or parallel degrees themselves; the length step with it."""
     a = dict(args or {}) if not hasattr(args, "to_dict") else {
         f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
-    if a.get("fsdp") or a.get("deepspeed") or a.get("parallelism_config"):
+    if any(e.selected(a.get) for e in ENGINES) or a.get("parallelism_config"):
         return args, multiple_of
-    a.update(fsdp="full_shard", fsdp_config={"version": 2}, parallelism_config={"cp_size": ranks})
-    return a, math.lcm(multiple_of, 2 * ranks)
-
-
-def _positive_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+    engine = next(e for e in ENGINES if e.default_sharding)
+    splits = engine.sequence_splits(ranks, lambda: 0)   # one that splits no heads
+    if not splits:
+        return args, multiple_of
+    a.update(engine.split_args(splits[0]))
+    return a, math.lcm(multiple_of, splits[0].sequence_divisor)
 
 
 def _check(source: str, *, limit: Any, headroom: Any, max_memory: Any, seq_len: Any = 1,
@@ -109,9 +172,9 @@ def _check(source: str, *, limit: Any, headroom: Any, max_memory: Any, seq_len: 
     for name, v, what in (("seq_len", seq_len, "tokens per sequence"),
                           ("limit", limit, "the largest value to try"),
                           ("multiple_of", multiple_of, "the step between lengths, e.g. 64")):
-        if not _positive_int(v):
+        if not is_positive_int(v):
             problems.append(f"{name} must be a positive integer ({what}), got {v!r}")
-    if _positive_int(limit) and _positive_int(multiple_of) and limit < multiple_of:
+    if is_positive_int(limit) and is_positive_int(multiple_of) and limit < multiple_of:
         problems.append(f"limit {limit} is below multiple_of {multiple_of}: no length to try; "
                         f"give limit >= {multiple_of}")
     if headroom is not None and headroom_problem(headroom):

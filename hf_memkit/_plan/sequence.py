@@ -1,26 +1,27 @@
-"""Plans that split each sequence over several ranks: context parallelism (torch ring attention
-over FSDP2, accelerate's ``ParallelismConfig(cp_size=...)``), or with ``engine="deepspeed"``
-sequence parallelism (DeepSpeed Ulysses, ``sp_size``).
+"""Plans that split each sequence over several ranks, as the sharding engine runs it
+(``Engine.sequence_splits``): context parallelism on FSDP2 (torch ring attention, accelerate's
+``ParallelismConfig(cp_size=...)``), sequence parallelism on DeepSpeed (Ulysses, ``sp_size``).
 
 Tried when the ranks cannot each hold whole sequences: no setup fits with them, or the target
 batch has fewer sequences than there are ranks (one million-token sequence per step on 8 GPUs).
 The degree grows from the smallest that divides the ranks (the rest stay data-parallel; FSDP
-shards over ``dp_shard x cp`` and ZeRO over every rank all the same); for context parallelism
-allgather (one collective, the whole key/value held during attention) comes before alltoall (a
-ring: two chunks in flight), as the planner takes memory savers: the fastest setup that fits.
+shards over ``dp_shard x cp`` and ZeRO over every rank all the same); within a degree the
+engine's splits come in its order (for context parallelism allgather, one collective with the
+whole key/value held during attention, before alltoall, a ring with two chunks in flight), as
+the planner takes memory savers: the fastest setup that fits.
 The most split (the most ranks, the ring) is tried first: where it does not fit, no split does,
 and the plan says so after one search instead of one per degree and strategy.
-Ulysses splits the heads, so its degree must divide them. Within a degree the usual search
-chooses the method, precision, checkpointing and its offload, and the loss head.
+Within a split the usual search chooses the method, precision, checkpointing and its offload,
+and the loss head.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .._engines.dims import CP_STRATEGIES
 from .._errors import ConfigError, HfMemkitError
 from .._model.spec import resolve_model
 from .request import PlanRequest
@@ -33,24 +34,21 @@ def degrees(req: PlanRequest) -> list[int]:
             if req.ranks % d == 0 and req.target_batch_size % (req.ranks // d) == 0]
 
 
+def _heads(req: PlanRequest) -> Callable[[], int]:
+    """The model's attention heads, read on first use (only an engine that splits heads asks)."""
+    @functools.cache
+    def heads() -> int:
+        text = resolve_model(req.model, task=req.task).config.get_text_config()
+        return int(getattr(text, "num_attention_heads", 0) or 0)
+    return heads
+
+
 def _splits(req: PlanRequest) -> Iterator[tuple[PlanRequest, str]]:
     """Each split request in the order tried, with the note that explains it."""
-    if req.engine == "deepspeed":
-        heads = resolve_model(req.model, task=req.task).config.get_text_config()
-        h = int(getattr(heads, "num_attention_heads", 0) or 0)
-        for sp in degrees(req):
-            if h and h % sp == 0:
-                yield dataclasses.replace(req, sp=sp), (
-                    f"sequence parallelism x{sp} (DeepSpeed Ulysses; {req.ranks // sp} "
-                    f"data-parallel group(s)): sequences must be a multiple of {sp} tokens, "
-                    "batches carry position_ids")
-        return
-    for cp in degrees(req):
-        for comm in CP_STRATEGIES:
-            yield dataclasses.replace(req, cp=cp, cp_comm=comm), (
-                f"context parallelism x{cp} (torch ring attention, cp_comm_strategy={comm!r}; "
-                f"{req.ranks // cp} data-parallel group(s)): attention runs on SDPA, sequences "
-                f"are padded to a multiple of {2 * cp} tokens, and TRL refuses packing with it")
+    engine, heads = req.sharding_engine, _heads(req)
+    for degree in degrees(req):
+        for dims in engine.sequence_splits(degree, heads):
+            yield dataclasses.replace(req, split=dims), engine.split_note(dims, req.ranks)
 
 
 def plan_split(req: PlanRequest, plan: Callable[[PlanRequest], Any],
@@ -83,7 +81,7 @@ def plan_split(req: PlanRequest, plan: Callable[[PlanRequest], Any],
                   f"{req.target_batch_size} sequence(s) per step on {req.ranks} ranks")
         out.notes.insert(0, f"{what}; chosen because {reason}")
         return out
-    kind = "sequence" if req.engine == "deepspeed" else "context"
+    kind = req.sharding_engine.split_kind
     if last is None:
         raise why or HfMemkitError(f"no {kind}-parallel degree divides the {req.ranks} ranks "
                                    "(and, for Ulysses, the attention heads)")

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .._engines import ENGINES
 from .._errors import HfMemkitError
 
 
@@ -150,28 +151,21 @@ def compact_candidates(candidates: list) -> list[dict[str, Any]]:
     return out
 
 
-# fsdp_config keys whose accelerate config-file name is not ``fsdp_<key>``
-_FSDP_YAML = {"cpu_offload": "fsdp_offload_params", "version": "fsdp_version"}
-
-
 def accelerate_config(plan: Any) -> dict[str, Any]:
-    """What ``accelerate config`` would write for ``plan`` (``Plan.accelerate_config``)."""
-    ta, engine = plan.training_args_kwargs, plan.parallel.get("engine")
-    kind = {"fsdp": "FSDP", "deepspeed": "DEEPSPEED", "ddp": "MULTI_GPU"}.get(
-        engine, "MULTI_GPU" if plan.num_gpus > 1 else "NO")
+    """What ``accelerate config`` would write for ``plan`` (``Plan.accelerate_config``): the
+    engine's distributed type and section (``Engine.accelerate_type``,
+    ``Engine.accelerate_section``)."""
+    ta, name = plan.training_args_kwargs, plan.parallel.get("engine")
+    engine = ENGINES.get(name) if name in ENGINES else None
+    kind = (engine.accelerate_type if engine is not None else None) or (
+        "MULTI_GPU" if plan.num_gpus > 1 else "NO")
     cfg: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE", "distributed_type": kind,
         "mixed_precision": plan.accelerator_kwargs.get("mixed_precision", "no"),
         "num_machines": plan.num_nodes, "num_processes": plan.num_gpus, "machine_rank": 0,
         "rdzv_backend": "static", "same_network": True, "use_cpu": False}
-    if engine == "fsdp":
-        fsdp = {}
-        for k, v in (ta.get("fsdp_config") or {}).items():
-            key = _FSDP_YAML.get(k, k if k.startswith("fsdp_") else f"fsdp_{k}")
-            fsdp[key] = ",".join(v) if isinstance(v, list) else v
-        cfg["fsdp_config"] = fsdp
-    elif engine == "deepspeed":
-        cfg["deepspeed_config"] = {"deepspeed_config_file": "ds_config.json"}
+    if engine is not None:
+        cfg.update(engine.accelerate_section(ta))
     pc = ta.get("parallelism_config")
     if isinstance(pc, dict):
         cfg["parallelism_config"] = {f"parallelism_config_{k}": v for k, v in pc.items()}

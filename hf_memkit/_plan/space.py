@@ -14,7 +14,7 @@ from transformers import PretrainedConfig
 
 from .._compat import is_flash_attn_available
 from .._device.probe import DeviceInfo
-from .._engines import ENGINES, Rung, all_rungs
+from .._engines import ENGINES, ParallelDims, Rung, all_rungs
 from .._engines.single import SINGLE as SINGLE_ENGINE
 from .._errors import HfMemkitError
 from .._estimate import MemoryEstimate
@@ -32,29 +32,11 @@ PINNED = Rung("pinned", "pinned engine", SINGLE_ENGINE.name)  # the user's own e
 
 
 def rung_of(name: str) -> Rung:
-    base, _, sp = name.partition("+sp")
-    base, _, cp = base.partition("+cp")
-    rung = {"single": SINGLE, "pinned": PINNED}.get(base) or all_rungs()[base]
-    if sp:
-        return with_sp(rung, int(sp))
-    if not cp:
-        return rung
-    degree, _, comm = cp.partition("-")
-    return with_cp(rung, int(degree), comm or "allgather")
-
-
-def with_sp(rung: Rung, sp: int) -> Rung:
-    """``rung`` (ZeRO) with each sequence split over ``sp`` ranks (DeepSpeed Ulysses)."""
-    return dataclasses.replace(rung, name=f"{rung.name}+sp{sp}",
-                               label=f"{rung.label} + SP x{sp} (Ulysses)", sp=sp)
-
-
-def with_cp(rung: Rung, cp: int, comm: str = "allgather") -> Rung:
-    """``rung`` with each sequence split over ``cp`` ranks (torch ring attention over FSDP2,
-    rotating key/value by ``comm``: accelerate's ``cp_comm_strategy``)."""
-    tail = "" if comm == "allgather" else f"-{comm}"
-    return dataclasses.replace(rung, name=f"{rung.name}+cp{cp}{tail}",
-                               label=f"{rung.label} + CP x{cp} ({comm})", cp=cp, cp_comm=comm)
+    """The rung a candidate names (``Candidate.parallel``), its sequence split included
+    (``Rung.split``: ``fsdp-full+cp8``)."""
+    base, _, tag = name.partition("+")
+    rung = {SINGLE.name: SINGLE, PINNED.name: PINNED}.get(base) or all_rungs()[base]
+    return rung.split(ParallelDims.from_split_tag(tag)) if tag else rung
 
 
 @dataclass
@@ -165,7 +147,7 @@ class SpecBook:
             spec = resolve_model(self._ref, task=self.req.task,
                                  dtype=m.load_dtype(precision, dev),
                                  attn_implementation=attention(self.base, dev, precision,
-                                                               self.req.cp)[0],
+                                                               self.req.split.cp)[0],
                                  peft_config=peft_cfg, quantization_config=quant,
                                  meta_cache=self._meta)
             self._specs[key] = (spec, peft_cfg, quant)
@@ -221,14 +203,9 @@ def strategies(req: PlanRequest, method: Method) -> list[Rung]:
         return [PINNED]
     if req.ranks == 1:
         return [SINGLE]
-    if req.cp > 1:  # sequences split over cp ranks: FSDP2 over the dp_shard x cp mesh
-        return [with_cp(r, req.cp, req.cp_comm) for r in ENGINES.get("fsdp").rungs()
-                if r.stage == 3 and method.allows_rung(r)]
-    if req.sp > 1:  # ... over sp ranks: DeepSpeed Ulysses with ZeRO-3 over every rank
-        return [with_sp(r, req.sp) for r in ENGINES.get("deepspeed").rungs()
-                if r.stage == 3 and method.allows_rung(r)]
-    engine = ENGINES.get(req.engine) if req.engine != "auto" else \
-        next(e for e in ENGINES if e.default_sharding)
+    engine = req.sharding_engine
+    if not req.split.plain:  # each sequence split over ranks, on the engine that splits it
+        return [r.split(req.split) for r in engine.split_rungs() if method.allows_rung(r)]
     rungs = [r for e in ENGINES if e.replicates for r in e.rungs()]
     if not engine.replicates:
         rungs += engine.rungs()
@@ -277,7 +254,7 @@ def candidates(req: PlanRequest, methods: list[Method], book: SpecBook,
     out, batching = [], {}
     for meth in methods:
         for rung, precision, optim in _rung_precision_optim(req, meth):
-            attn = attention(book.base, req.dev, precision, req.cp)[0]
+            attn = attention(book.base, req.dev, precision, req.split.cp)[0]
             if attn not in batching:
                 batching[attn] = padding_free_choices(req, book.base.model_cls, attn, notes)
             for on in combos:

@@ -30,7 +30,7 @@ optional; ``Recipe.schema()`` gives the same table with defaults)::
       num_gpus: 1
       max_memory: 20GiB         # explicit budget (overrides the device's)
       headroom: 0.05            # fraction of device memory kept for other tenants
-    trainer: trainer            # trainer | sft (TRL's SFTTrainer) | dpo (DPOTrainer)
+    trainer: trainer            # trainer (transformers') | sft | dpo | grpo | rloo (TRL's)
     pins: {learning_rate: 2.0e-4, max_steps: 100}   # any field of the trainer's config
     callbacks: [memory, throughput]                 # and/or oom_guard (OOMGuardTrainer)
     output_dir: outputs/my-run
@@ -39,8 +39,12 @@ Relative paths in ``model``/``data`` are relative to the recipe file; ``output_d
 relative to the working directory.
 
 Modules: ``schema`` (``Recipe``, its key table), ``load`` (``load_recipe``, bundled recipes),
-``validate`` (``Checker``, one check per section, ``check_pins``), ``fields`` (a trainer's config
-fields typed and checked: recipe pins and the command line's FIELD=VALUE).
+``checker`` (``Checker``: every problem as ``WHERE: KEY: message``), ``validate`` (one check per
+section), ``validate_pins`` (``check_pins``: recipe pins and the command line's FIELD=VALUE,
+typed and checked by ``_setup.fields``).
+
+Why recipes explain themselves and report every problem at once: docs/style.md §7 and §9; the
+public contract: docs/api.md#recipes.
 """
 
 from __future__ import annotations

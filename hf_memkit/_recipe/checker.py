@@ -1,5 +1,6 @@
 """``Checker``: the problems of a recipe, gathered as ``WHERE: KEY: message`` and raised together
-(STYLE.md §7), shared by the section validators (``validate``) and the pins (``validate_pins``)."""
+(docs/style.md §7), shared by the section validators (``validate``) and the pins
+(``validate_pins``)."""
 
 from __future__ import annotations
 

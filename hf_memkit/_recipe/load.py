@@ -16,8 +16,21 @@ from .validate import validate
 
 
 def load_recipe(path: str | os.PathLike) -> Recipe:
-    """Read and validate a recipe file (or a bundled recipe's name); raise one ``ConfigError``
-    listing every problem, each as ``FILE: KEY: what is wrong, what is allowed``."""
+    """Read and validate a YAML recipe file, or a bundled recipe by name.
+
+    Args:
+        path (`str` or `os.PathLike`):
+            A recipe file, or a bundled recipe's name (`llama-3.1/8b_qlora_rtx4090`;
+            `hf-memkit recipes list`).
+
+    Returns:
+        `Recipe`: the validated recipe.
+
+    Raises:
+        ConfigError: One error listing every problem, each as
+            `FILE: KEY: what is wrong, what is allowed` (a file that is missing, unreadable,
+            not UTF-8 or not plain YAML included).
+    """
     if not isinstance(path, (str, os.PathLike)):
         raise ConfigError([f"load_recipe takes the path of a recipe .yaml file (str or "
                            f"os.PathLike) or a bundled recipe's name (hf-memkit recipes list), "

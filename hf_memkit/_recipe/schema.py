@@ -59,11 +59,12 @@ class Recipe:
                             "(sequence-classification)", "label")
     method: str = _key("training.method", "auto (full fine-tuning whenever it fits, else LoRA, "
                        "LoRA on an 8-bit base, QLoRA) | full | lora | qlora", "auto")
-    trainer: str = _key("trainer", "trainer (transformers.Trainer) | sft (TRL's SFTTrainer: "
-                        "its fused log-prob head instead of the logits) | dpo (DPOTrainer: "
-                        "chosen + rejected rows and a reference model); pins may then set "
-                        "that config's fields (SFTConfig / DPOConfig: packing, max_length, ...)",
-                        "trainer")
+    trainer: str = _key("trainer", "a registered trainer: trainer (transformers.Trainer) | sft "
+                        "(TRL's SFTTrainer: its fused log-prob head instead of the logits) | "
+                        "dpo (DPOTrainer: chosen + rejected rows and a reference model) | grpo "
+                        "| rloo (planned; hf-memkit train does not run them); pins may then "
+                        "set that config's fields (SFTConfig / DPOConfig: packing, max_length, "
+                        "...)", "trainer")
     device: str | None = _key("hardware.device", "catalog GPU to plan for (hf-memkit devices), "
                               "'cpu', or omitted for this machine", None)
     num_gpus: int = _key("hardware.num_gpus", "GPUs (data-parallel ranks); the effective batch "

@@ -135,7 +135,7 @@ def check_trainer_runs(recipe: Recipe, task: str | None = None) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def build_model(recipe: Recipe, plan: Any, task: str) -> torch.nn.Module:
+def recipe_model(recipe: Recipe, plan: Any, task: str) -> torch.nn.Module:
     """The model the plan describes: weights from the model directory when it has them, else
     random init from the config. A quantized base (QLoRA, 8-bit LoRA) is saved and reloaded
     with ``quantization_config`` (``from_config`` rejects it)."""
@@ -143,6 +143,7 @@ def build_model(recipe: Recipe, plan: Any, task: str) -> torch.nn.Module:
     quant = kwargs.pop("quantization_config", None)
     kwargs["dtype"] = kwargs.get("dtype") or torch.float32
     kwargs["trust_remote_code"] = False  # never run a model directory's own code (auto_map)
+    from .._model.profile import load_quantized
     from .._model.tasks import auto_class
 
     auto = auto_class(task)
@@ -154,15 +155,12 @@ def build_model(recipe: Recipe, plan: Any, task: str) -> torch.nn.Module:
         return auto.from_pretrained(recipe.model, quantization_config=quant, **kwargs, **extra,
                                     **load_kw)
     config = recipe.model_config()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        model = auto.from_config(config, **kwargs)
     if quant is None:
-        return model
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return auto.from_config(config, **kwargs)
     with tempfile.TemporaryDirectory(prefix="hf_memkit_init_") as tmp:
-        model.save_pretrained(tmp)
-        del model
-        model = auto.from_pretrained(tmp, quantization_config=quant, **kwargs, **load_kw)
+        model = load_quantized(auto, config, quant, tmp, load_kwargs=load_kw, **kwargs)
     # not the deleted temporary directory: a local model directory (the adapter config records
     # it), else nothing, as from_config leaves it; a bundled config's name is no Hub repo, and
     # peft would look it up on the Hub when it saves the adapters
@@ -288,7 +286,7 @@ def train_recipe(recipe: Recipe, *, plan: Any = None, output_dir: str | None = N
     data, collator = build_dataset(recipe, config, task, num_samples=n, tokenizer=tokenizer)
     args = run_args(recipe, plan, outputs)
     try:
-        model = plan.prepare(build_model(recipe, plan, task))
+        model = plan.prepare(recipe_model(recipe, plan, task))
     except HfMemkitError:
         raise
     except Exception as exc:  # the model code itself raised (a config it cannot build...)

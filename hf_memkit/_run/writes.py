@@ -32,15 +32,6 @@ SHOWN_ENTRIES = 5   # a non-empty directory's entries named in the refusal
 
 # -- output_dir ---------------------------------------------------------------------------------
 
-def check_output_dir(path: str, *, key: str, overwrite: bool = False) -> str:
-    """``path`` (``~`` expanded) when a run may write there; else ``ConfigError`` naming ``key``
-    (``--output-dir``, ``FILE: output_dir``), what is wrong and how to fix it."""
-    problems = output_dir_problems(path, key=key, overwrite=overwrite)
-    if problems:
-        raise ConfigError(problems, source="the output directory")
-    return os.path.expanduser(path)
-
-
 def output_dir_problems(path: str, *, key: str, overwrite: bool = False) -> list[str]:
     if not isinstance(path, str) or not path.strip():
         return [f"{key}: expected a directory path, got {path!r}"]

@@ -1,33 +1,35 @@
-"""Every field of the installed ``TrainingArguments``, ``SFTConfig`` and ``DPOConfig``, in one of
-three classes (DESIGN.md: memory-relevant settings are modelled or named in a warning):
+"""Every field of the installed config class of every registered trainer (``TrainingArguments``,
+TRL's ``SFTConfig``, ``DPOConfig``, ``GRPOConfig``, ``RLOOConfig``), in one of three classes
+(docs/fitting.md: memory-relevant settings are modelled or named in a warning):
 
   * **modelled**: read into the ``TrainingSetup``. Derived from the registries: the fields of the
     modelled techniques (``Technique.fields``), of the trainer (``TrainerKind.modelled_fields``),
     plus the fields ``_setup.normalize_args`` and the engines read themselves (``SETUP_FIELDS``,
     ``ENGINE_FIELDS``, from each engine's ``Engine.fields``);
   * **unmodelled**: changes a training step's device memory, but the estimate does not follow it.
-    ``UNMODELLED`` here (set to a non-default value, ``normalize_args`` warns naming it), plus
-    the techniques registered with ``modelled=False`` and what a trainer's ``unmodelled`` names
-    (those registries warn themselves);
+    ``UNMODELLED``: the fields here and those a trainer's entry declares for its config alone
+    (``TrainerKind.unmodelled_fields``); set to a non-default value, ``normalize_args`` warns
+    naming it. Plus the techniques registered with ``modelled=False`` and what a trainer's
+    ``unmodelled`` names (those registries warn themselves);
   * **irrelevant**: does not change what a training step holds on the device, one reason per
-    group (``IRRELEVANT``).
+    group (``IRRELEVANT``, and a trainer entry's own ``irrelevant``).
 
 ``tests/contracts/test_field_coverage.py`` enumerates the installed classes, so a field that a new
-transformers or TRL adds fails there until it is placed in one class here. Read from
-transformers 5.23 (``training_args.py``, ``trainer.py``) and TRL 1.16 (``sft_config.py``,
-``sft_trainer.py``, ``dpo_config.py``, ``dpo_trainer.py``, ``trainer/utils.py``).
+transformers or TRL adds fails there until it is placed in one class, here or in its trainer's
+entry. Read from transformers 5.23 (``training_args.py``, ``trainer.py``) and TRL 1.16
+(``sft_config.py``, ``sft_trainer.py``, ``dpo_config.py``, ``dpo_trainer.py``,
+``grpo_config.py``, ``rloo_config.py``, ``trainer/utils.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from .._engines import ENGINES
 from .._techniques import TECHNIQUES
-from .._trainers import TRAINER, TRAINERS
+from .._trainers import TRAINER, TRAINERS, Unmodelled
 
 # Read by _setup.normalize_args itself (batch sizes, precision, optimizer, clipping, eval).
 SETUP_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps",
@@ -40,25 +42,6 @@ ENGINE_FIELDS = tuple(dict.fromkeys([*(f for e in ENGINES for f in e.fields),
 
 CLASSES = ("modelled", "unmodelled", "irrelevant")
 
-
-@dataclass(frozen=True)
-class Unmodelled:
-    """A field that changes memory and is not modelled. ``what``: what it changes (the warning's
-    text). ``trainers``: the trainers where it does (empty: all); elsewhere it is irrelevant
-    because ``otherwise``. ``when``: other fields' values under which it changes memory (the
-    warning is given only then)."""
-
-    what: str
-    trainers: tuple[str, ...] = ()
-    otherwise: str = ""
-    when: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
-
-    def applies(self, trainer: str, get: Callable[[str], Any]) -> bool:
-        return (not self.trainers or trainer in self.trainers) and \
-            all(str(get(k)) in map(str, vs) for k, vs in self.when.items())
-
-
-RL = ("grpo", "rloo")   # TRL's online RL trainers (_trainers.rl)
 
 UNMODELLED: dict[str, Unmodelled] = {
     # transformers.TrainingArguments
@@ -116,28 +99,23 @@ UNMODELLED: dict[str, Unmodelled] = {
         "the estimate covers training steps only", when={"precompute_ref_log_probs": (True,)}),
     "ld_alpha": Unmodelled("LD-DPO's [2 x batch, tokens] masks and weighted sums of the "
                            "per-token log-probs"),
-    # trl.GRPOConfig / trl.RLOOConfig (the generation of GRPOTrainer / RLOOTrainer)
-    **{name: Unmodelled(what, trainers=RL, otherwise="only the online-RL trainers generate",
-                        when=when)
-       for name, what, when in (
-           ("cache_implementation", "the KV cache generation uses (\"static\" allocates "
-            "prompt + max_completion_length at once; quantized or offloaded caches)", {}),
-           ("generation_kwargs", "generation settings that may change the KV cache or the "
-            "sampling's [rows x vocab] temporaries", {}),
-           ("use_transformers_continuous_batching", "transformers' continuous batching "
-            "generates from a paged KV cache of its own size", {}),
-           ("transformers_continuous_batching_config", "the paged KV cache's size",
-            {"use_transformers_continuous_batching": (True,)}),
-           ("use_transformers_paged", "generation from a paged KV cache of its own size", {}),
-           ("vllm_model_impl", "the colocated vLLM's model implementation (vLLM's or "
-            "transformers' modelling code, with activations of their own)",
-            {"use_vllm": (True,)}))},
-    "cast_lm_head_to_fp32": Unmodelled("an fp32 copy of the LM head and fp32 logits",
-                                       trainers=("grpo",), otherwise="GRPOTrainer's only"),
-    "max_tool_calling_iterations": Unmodelled("tool calls lengthen the completions past "
-                                              "max_completion_length", trainers=("grpo",),
-                                              otherwise="GRPOTrainer's only"),
 }
+
+
+def _trainer_own() -> dict[str, Unmodelled]:
+    """The fields of one trainer's config alone that change memory and are not modelled
+    (``TrainerKind.unmodelled_fields``), each marked with the trainers that declare it."""
+    out: dict[str, Unmodelled] = {}
+    for kind in TRAINERS:
+        for name, u in kind.unmodelled_fields.items():
+            given = out[name].trainers if name in out else ()
+            titles = " / ".join(TRAINERS.get(t).title for t in (*given, kind.name))
+            out[name] = dataclasses.replace(u, trainers=(*given, kind.name),
+                                            otherwise=f"only {titles} read it")
+    return out
+
+
+UNMODELLED.update(_trainer_own())
 
 IRRELEVANT: dict[str, tuple[str, ...]] = {
     "where outputs go, names and logging; nothing the step holds": (

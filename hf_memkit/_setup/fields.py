@@ -4,7 +4,7 @@ installed config class. Recipe pins, the command line's ``FIELD=VALUE`` settings
 ``normalize_args`` reads all go through ``check_config_field`` / ``check_field``.
 
 Defaults and types are read from the installed classes, never hard-coded (a plan for another
-machine is a plain dict, DESIGN.md). A field typed as one scalar is coerced by its type: a
+machine is a plain dict, docs/stack-facts.md). A field typed as one scalar is coerced by its type: a
 bool / int / float field parses text (true/false, 1/0, yes/no in any case; ``none`` where the
 field allows None) and rejects a value of another type; a ``str`` field takes a string (an enum
 field: one of its values; ``optim`` is checked against the optimizer registry instead). Text is

@@ -3,7 +3,7 @@ its field names -> ``TrainingSetup``, the estimator's normalised input.
 
 Defaults and field names are read from the installed transformers, never hard-coded: a plan for
 another machine can then be a plain dict (``TrainingArguments`` validates bf16/tf32 against
-*this* machine, DESIGN.md). Memory techniques are read by their registry entries
+*this* machine, docs/stack-facts.md). Memory techniques are read by their registry entries
 (``_techniques``), the data-parallel engine by its (``_engines``).
 """
 
@@ -190,7 +190,7 @@ class _Reader:
 
     def explicit(self) -> dict[str, Any]:
         """The fields a user set. ``TrainingArguments`` keeps both checkpointing names in sync;
-        its new name is the truth (DESIGN.md)."""
+        its new name is the truth (docs/stack-facts.md)."""
         if not self.is_ta:  # a TRL config's own defaults that differ from TrainingArguments'
             plain = training_args_fields()
             ckpt = ("activation_checkpointing", "gradient_checkpointing")
@@ -207,8 +207,7 @@ def _trainer_getter(r: _Reader, kind: Any) -> Any:
     derives from others (``TrainerKind.derived``: GRPO's ``generation_batch_size`` and
     ``steps_per_generation``) reads None unless given: a dict's defaults come from a default
     instance, derived from its batch size rather than the user's."""
-    derived = getattr(kind, "derived", ())
-    return lambda name: (r.d.get(name) if name in derived and not r.is_ta else r.get(name))
+    return lambda name: (r.d.get(name) if name in kind.derived and not r.is_ta else r.get(name))
 
 
 def _check_num_gpus(num_gpus: Any, problems: list[str]) -> int | None:

@@ -22,6 +22,9 @@ entries read least recently (a hit refreshes its entry's time).
 
 Switches: ``HF_MEMKIT_NO_CACHE=1`` (the CLI's ``--no-cache`` sets it), ``hf-memkit cache info``
 and ``hf-memkit cache clear``.
+
+Why it exists: a repeated question reuses the traces
+(docs/quality-bars.md#speed-and-footprint). Imports the ground floor only.
 """
 
 from __future__ import annotations

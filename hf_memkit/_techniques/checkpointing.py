@@ -2,8 +2,9 @@
 
 Switched on by ``activation_checkpointing`` (transformers 5) or the older
 ``gradient_checkpointing``; the new name wins when set, as ``TrainingArguments.__post_init__``
-does (DESIGN.md). Traced by wrapping the fake model's layers exactly as the Trainer does;
-recomputing the forward costs 2N FLOPs per token plus a third of the attention's.
+does (docs/stack-facts.md#checkpointing-field-names). Traced by wrapping the fake model's
+layers exactly as the Trainer does; recomputing the forward costs 2N FLOPs per token plus a
+third of the attention's.
 """
 
 from __future__ import annotations

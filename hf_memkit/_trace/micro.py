@@ -36,8 +36,8 @@ def train_micro_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], los
 def eval_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], trainer: Any, ref: Any,
               mt: Any, record: Callable[[Any, str], None]) -> None:
     """A no-grad step: the model's forward (phase "eval"), a trainer's loss, or a trainer's
-    phases of its own (``rollout``: ``_trainers.rl.GenerateStep``'s prefill and decode)."""
-    if hasattr(trainer, "rollout"):
+    phases of its own (``TraceStep.rollout``: online RL's prefill and decode)."""
+    if trainer is not None and trainer.records_phases:
         trainer.rollout(model, batch, ref, lambda name: (record(mt, name), mt.reset_mod_stats()))
         return
     out = model(**batch) if trainer is None else trainer.loss(model, batch, ref)

@@ -1,6 +1,6 @@
 """Trace one training (or eval) step of the real model code on fake tensors.
 
-This is the only module that touches private torch APIs (STYLE.md §11):
+This is the only module that touches private torch APIs (docs/style.md §11):
 ``torch._subclasses.fake_tensor.FakeTensorMode`` and
 ``torch.distributed._tools.mem_tracker.MemTracker``. If they are missing or change, the error says
 that activation estimates are lost and which torch to use.
@@ -369,7 +369,7 @@ def trace_step(model_cls: type, config: Any, *, task: str, micro_batch: int, seq
 
     ``loss="labels"`` is the Trainer's path (the model's own loss from ``labels``);
     ``loss="logits_sum"`` feeds no labels and backpropagates ``logits.sum()``, as some published
-    benchmarks do (shared/anchors note_sdpa_training_benchmark_script). ``trainer``: a
+    benchmarks do (docs/anchors.md, note_sdpa_training_benchmark_script). ``trainer``: a
     ``_trainers.TraceStep`` whose loss replaces the model's (TRL's fused head); ``reference``
     "copy": a frozen copy of the model serves as its reference (DPO), held with the weights.
     ``packed``: padding-free rows (sequence boundaries in ``position_ids``). ``split``: the

@@ -17,14 +17,21 @@ rejected rows together and runs a reference forward. An entry says, from its con
   * ``fields``: the config fields it models (the field-coverage test checks the rest are named);
   * ``takes_ref_model``, ``lengths_plan``: whether ``ref_model=`` and ``lengths=`` apply;
   * ``eval_is_forward``: whether its eval step holds no more than its train step's forward;
+  * ``sequence_split``: whether its step runs with each sequence split over ranks (cp / sp);
+  * ``unmodelled_fields``: fields of its config alone that change memory and are not modelled;
   * ``run_problems(...)`` and ``build(...)``: what ``hf-memkit train`` needs to run it, and the
     trainer it builds over a recipe's rows.
+A trainer whose step has phases of its own (online RL's generation) or shares the device with
+another engine (a colocated vLLM) implements three hooks, empty here, that the estimator and
+the planner call for every trainer: ``rollout`` (and ``rollout_notes``), ``tenant`` and
+``plan_around``. ``docs/extending.md`` says what a new trainer touches.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .._errors import HfMemkitError
@@ -52,6 +59,7 @@ class TraceStep:
     host bytes ``host_peak`` reports."""
 
     title = "Trainer"
+    records_phases = False   # its no-grad step records phases of its own (``rollout``)
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         from .offload import ActivationOffload
@@ -81,12 +89,59 @@ class TraceStep:
         ``prepare``."""
         return self.offload.host_peak if self.offload is not None else 0
 
+    def rollout(self, model: Any, batch: dict[str, Any], reference: Any,
+                record: Callable[[str], None]) -> None:
+        """Where ``records_phases``: a no-grad step that records phases of its own by name
+        (``record(name)``) instead of one eval forward."""
+        raise NotImplementedError(f"{type(self).__name__} records no phases of its own")
+
     def loss(self, model: Any, batch: dict[str, Any], reference: Any = None) -> Any:
         """The micro-step's loss (a scalar the trace backpropagates); ``reference``: the
         trainer's reference model (a frozen copy, or the PEFT policy's twin over the same
         tensors, whose adapters the step disables)."""
         out = model(**batch)
         return out.loss if hasattr(out, "loss") else out[0]
+
+
+@dataclass(frozen=True)
+class Unmodelled:
+    """A config field that changes memory and is not modelled. ``what``: what it changes (the
+    warning's text). ``trainers``: the trainers where it does (empty: all); elsewhere it is
+    irrelevant because ``otherwise``. ``when``: other fields' values under which it changes
+    memory (the warning is given only then)."""
+
+    what: str
+    trainers: tuple[str, ...] = ()
+    otherwise: str = ""
+    when: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+
+    def applies(self, trainer: str, get: Callable[[str], Any]) -> bool:
+        return (not self.trainers or trainer in self.trainers) and \
+            all(str(get(k)) in map(str, vs) for k, vs in self.when.items())
+
+
+@dataclass
+class RolloutPhase:
+    """One phase of a step besides its train micro-steps (``TrainerKind.rollout``): its peak
+    (``total``), its breakdown (weights, gradients, optimizer, activations, temporaries,
+    summing to it) and the trace it came from (``_estimate``'s ``Excess``)."""
+
+    total: int
+    parts: dict[str, int]
+    excess: Any
+
+
+@dataclass
+class Tenant:
+    """What shares the device with the trainer at the step's peak (``TrainerKind.tenant``: a
+    colocated vLLM engine), as the estimate adds it."""
+
+    key: str                 # its row in the estimate's breakdown
+    nbytes: int              # what it holds at the moment ``used`` is taken
+    used: int                # device_used with it
+    phase: str               # the moment of that peak
+    notes: list[str]
+    refusals: list[str]      # why it would not start beside the trainer (empty: it starts)
 
 
 class TrainerKind:
@@ -106,6 +161,14 @@ class TrainerKind:
     # its eval step is a forward and loss of the train step's own (no generation): it fits
     # at any batch the train step fits at (the planner's eval batch search stops there)
     eval_is_forward = True
+    # its step runs with each sequence split over ranks (context / sequence parallelism): the
+    # rows it feeds are plain sequences (not paired rows, not a rollout of phases)
+    sequence_split = True
+    # config fields its config's ``__post_init__`` derives from others (read None unless given)
+    derived: tuple[str, ...] = ()
+    # fields of this trainer's config alone that change memory and are not modelled (warned
+    # when set); ``_setup.coverage`` gathers them with the fields every trainer has
+    unmodelled_fields: Mapping[str, Unmodelled] = {}
 
     def read(self, get: Callable[[str], Any]) -> Mapping[str, Any]:
         """The options that change memory (``get``: a config field, with its default)."""
@@ -171,6 +234,40 @@ class TrainerKind:
         """What the estimate says of the pinned host bytes its ``TraceStep`` held at once."""
         return f"{self.title} keeps {format_bytes(nbytes)} in pinned host memory at once"
 
+    # -- phases and tenants of its own: empty here (online RL fills them, ``rl``) ---------------
+    def rollout(self, spec: Any, setup: Any, rs: Any, *, held: int,
+                trace: Callable[[Any], Any]) -> dict[str, RolloutPhase]:
+        """The step's phases besides its train micro-steps (generation, scoring), by the name
+        the estimate reports, each with its peak and breakdown. ``spec`` / ``setup``: the
+        model and setup as each rank computes (``ModelSpec``, ``TrainingSetup``); ``rs``: one
+        rank's model states (``RankStates``); ``held``: a reference model's bytes held on the
+        rank; ``trace(phase_setup)``: the excess of an eval trace of a phase's setup at the
+        step's sequence length. None by default."""
+        return {}
+
+    def rollout_notes(self, setup: Any, phases: Mapping[str, RolloutPhase]) -> list[str]:
+        """What the estimate says about ``rollout``'s phases."""
+        return []
+
+    def tenant(self, spec: Any, setup: Any, dev: Any, *, seq_len: int, held: int,
+               parts: Mapping[str, int], rs: Any, used: int, phase: str) -> Tenant | None:
+        """Another engine on the device beside the trainer's step of peak ``used`` bytes
+        (device_used) in ``phase`` with breakdown ``parts``, or None (the default). ``dev``:
+        the target (``DeviceInfo``); ``held``: a reference model's bytes on the rank."""
+        return None
+
+    def plan_around(self, req: Any, run: Callable[[Any], Any], base: Callable[[], Any]) -> Any:
+        """The plan of ``req`` (a ``PlanRequest``): ``run(req)`` after planning what the
+        trainer brings besides its step (a colocated vLLM's share of the GPU). ``base()``: the
+        model's spec as loaded. By default ``run(req)``."""
+        return run(req)
+
+    def rederive(self, args: Any, planned: dict[str, Any]) -> dict[str, Any]:
+        """``planned`` (a plan's fields for ``Plan.apply_to``) plus the ``derived`` fields of
+        ``args`` (an instance of this trainer's config) that its ``__post_init__`` must derive
+        again from them. None by default."""
+        return planned
+
     def modelled_fields(self) -> frozenset[str]:
         """``fields`` less those ``unmodelled`` warns about when they are on (its messages
         start with the field's name): the config fields the estimate follows (``_setup``)."""
@@ -210,9 +307,11 @@ class TrainerKind:
 
 
 class TrlTrainerKind(TrainerKind):
-    """What TRL's ``SFTTrainer`` and ``DPOTrainer`` share: a config with ``max_length`` (the
-    default ``seq_len``), Liger's layer kernels only (``adjust``), TRL's activation offloading
-    (``host_note``), and what ``hf-memkit train`` needs to run them (``run_problems``)."""
+    """What TRL's trainers share (``SFTTrainer``, ``DPOTrainer``; ``GRPOTrainer`` and
+    ``RLOOTrainer`` override the length and the run): a config with ``max_length`` (the default
+    ``seq_len``), Liger's layer kernels only (``adjust``), the adapters' dtype TRL casts them
+    to, TRL's activation offloading (``host_note``), and what ``hf-memkit train`` needs to run
+    them (``run_problems``)."""
 
     extra = "trl"
 
@@ -264,6 +363,9 @@ def padded_length(o: Mapping[str, Any], seq: int) -> int:
     m = o.get("pad_to_multiple_of")
     return -(-seq // m) * m if m else seq
 
+
+# the key under which the CLI's JSON (a plan's, an estimate's, a run's) names the trainer
+TRAINER_KEY = "trainer"
 
 TRAINERS: Registry[TrainerKind] = Registry(
     "trainer", hint="; TRL's online DPO, KTO and reward trainers are not modelled")

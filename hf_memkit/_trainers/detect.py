@@ -7,8 +7,9 @@ from typing import Any
 from .._errors import HfMemkitError
 from .base import TRAINERS
 
-# TRL trainers whose steps generate, score or keep several models: their memory is not the
-# step this package traces (generation buffers, reward and value models, vLLM).
+# TRL trainers that are not modelled yet (their steps keep reward or value models, an online
+# generation or losses of their own). A trainer that gets a registry entry is modelled, whether
+# or not it is still listed here.
 NOT_MODELLED = {"online_dpo": "OnlineDPOTrainer",
                 "kto": "KTOTrainer", "reward": "RewardTrainer", "ppo": "PPOTrainer",
                 "orpo": "ORPOTrainer", "cpo": "CPOTrainer", "gkd": "GKDTrainer",
@@ -21,8 +22,8 @@ def _refuse(what: str) -> HfMemkitError:
     return HfMemkitError(
         f"{what} is not modelled: hf_memkit traces one optimizer step of the trainers it "
         f"models ({modelled}); online DPO, KTO and the other TRL trainers not listed "
-        "keep generation buffers and extra models it does not estimate. Estimate the policy's step with trainer='sft' as a lower bound, or measure "
-        "with hf_memkit's MemoryCallback")
+        "keep generation buffers and extra models it does not estimate. Estimate the policy's "
+        "step with trainer='sft' as a lower bound, or measure with hf_memkit's MemoryCallback")
 
 
 def _class_name_kind(cls: type) -> str:
@@ -36,7 +37,7 @@ def trainer_of_args(args: Any, trainer: str | None = None) -> str:
     or None to take it from the config's class)."""
     if trainer is not None:
         key = str(trainer).lower().replace("-", "_")
-        if key in NOT_MODELLED:
+        if key in NOT_MODELLED and key not in TRAINERS:
             raise _refuse(f"trainer={trainer!r} ({NOT_MODELLED[key]})")
         kind = TRAINERS.get(key).name
     else:

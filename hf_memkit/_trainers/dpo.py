@@ -71,6 +71,7 @@ class DPO(TrlTrainerKind):
     name = "dpo"
     title = "DPOTrainer"
     config_class = "trl.DPOConfig"
+    sequence_split = False   # chosen and rejected rows go together: not split over ranks
     fields = ("max_length", "precompute_ref_log_probs", "use_weighting", "pad_to_multiple_of",
               "padding_free", "activation_offloading", "loss_type")
     takes_ref_model = True

@@ -1,4 +1,4 @@
-"""Turning results into text for people (STYLE.md §4): rich tables, nothing computed here."""
+"""Turning results into text for people (docs/style.md §4): rich tables, nothing computed here."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from .._units import format_bytes
 
 if TYPE_CHECKING:  # annotations only: rendering a catalog GPU needs neither torch nor transformers
     from .._device.probe import DeviceInfo
-    from .._model import ModelProfile
 
 # -- tables that never cut a number ------------------------------------------------------------
 # Every cell is plain Text (no rich markup: "hf-memkit[plot]" stays as written), numeric columns
@@ -164,24 +163,6 @@ def _cc(d: DeviceInfo) -> str:
     if d.compute_capability is None:
         return d.kind
     return "{}.{}".format(*d.compute_capability)
-
-
-def profile_table(p: ModelProfile) -> Table:
-    rows = [
-        ("architecture", f"{p.architecture} ({p.model_type}, task {p.task})"),
-        ("parameters", f"{p.total_params:,} ({p.trainable_params:,} trainable)"),
-        ("weights", f"{format_bytes(p.param_bytes)} as " + ", ".join(
-            f"{k}: {v:,}" for k, v in p.params_by_dtype.items())),
-        ("layers / hidden / intermediate", f"{p.num_layers} / {p.hidden_size} / {p.intermediate_size}"),
-        ("heads / kv heads / head dim",
-         f"{p.num_attention_heads} / {p.num_key_value_heads} / {p.head_dim}"
-         + (" (GQA)" if p.is_gqa else "")),
-        ("vocab / max positions", f"{p.vocab_size} / {p.max_position_embeddings}"),
-        ("tied embeddings", "yes" if p.tie_word_embeddings else "no"),
-        ("gradient checkpointing", "supported" if p.supports_gradient_checkpointing else "not supported"),
-        ("attention", ", ".join(p.attn_implementations) + f" (now: {p.attn_implementation})"),
-    ]
-    return _field_table(f"Model: {p.name}", rows)
 
 
 def render_to_text(*renderables, width: int = 100) -> str:

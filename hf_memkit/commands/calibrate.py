@@ -213,7 +213,7 @@ def measure_check(setup: CheckSetup) -> dict[str, Any]:
     from .._device.nvml import nvml_handle
     from .._device.probe import probe_device
     from .._estimate import estimate_memory
-    from .._model.profile import build_model
+    from .._model.profile import model_from_config
     from .._run.synthetic import SyntheticTextDataset
 
     pynvml = require("pynvml", "calibrate --check (NVML used)")
@@ -221,7 +221,7 @@ def measure_check(setup: CheckSetup) -> dict[str, Any]:
     config = reference_config()
     fields = check_fields(setup, dev.supports_bf16)
     est = estimate_memory(config, fields, seq_len=setup.seq_len, device=dev, task="causal-lm")
-    model = build_model(config, "causal-lm", device="cpu", dtype=torch.float32)
+    model = model_from_config(config, "causal-lm", device="cpu", dtype=torch.float32)
     data = SyntheticTextDataset(vocab_size=config.vocab_size, seq_len=setup.seq_len,
                                 num_samples=setup.batch * CHECK_STEPS)
     pynvml.nvmlInit()

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-from .._run.demo import DEMO_RECIPE
 from .train import add_output_arguments
+
+DEMO_RECIPE = "recipes/tiny-llama/1m_full_cpu.yaml"
 
 
 def demo_parser(sub) -> argparse.ArgumentParser:

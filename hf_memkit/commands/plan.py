@@ -172,9 +172,11 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.json:
         import json
 
+        from .._trainers import TRAINER, TRAINER_KEY
+
         d = plan.to_dict(full=args.full)
-        trainer = plan.estimate.setup.trainer.name if plan.estimate is not None else "trainer"
-        print(json.dumps({"chosen": d.pop("chosen"), "trainer": trainer, **d}, indent=2))
+        trainer = plan.estimate.setup.trainer.name if plan.estimate is not None else TRAINER.name
+        print(json.dumps({"chosen": d.pop("chosen"), TRAINER_KEY: trainer, **d}, indent=2))
     else:
         from rich.console import Console
 

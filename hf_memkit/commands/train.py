@@ -212,7 +212,8 @@ def train_command(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# exact CPU memory readings: MALLOC_MMAP_THRESHOLD_ from process start (DESIGN.md)
+# exact CPU memory readings: MALLOC_MMAP_THRESHOLD_ from process start
+# (docs/stack-facts.md#cpu-ground-truth)
 # ----------------------------------------------------------------------------------------------
 
 REEXEC_GUARD = "HF_MEMKIT_REEXEC"   # set in the re-executed process: never a second time

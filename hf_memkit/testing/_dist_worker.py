@@ -22,7 +22,7 @@ from .._engines.base import sync_each_batch
 from ._rank_tools import digest, digesting_collate, examples, optimizer_bytes, tensor_bytes
 from .groundtruth import close_window, open_window
 from .groundtruth_dist import OUT_ENV
-from .models import build_model
+from .models import spec_model
 
 
 def _training_args(spec: dict[str, Any], workdir: str, steps: int, **extra):
@@ -58,7 +58,7 @@ def _run_ddp(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
     import transformers
 
     steps = max(2, int(spec.get("steps", 3)))
-    model = build_model(spec, workdir)
+    model = spec_model(spec, workdir)
     args = _training_args(spec, workdir, steps)
     world, rank = args.world_size, args.process_index
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
@@ -167,7 +167,7 @@ def _run_fsdp2(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     steps = max(2, int(spec.get("steps", 3)))
     fs = dict(spec.get("fsdp") or {})
-    model = build_model(spec, workdir)
+    model = spec_model(spec, workdir)
     layer_cls = fs.get("transformer_layer_cls_to_wrap") or list(model._no_split_modules or [])
     fsdp_config = {"version": 2, "transformer_layer_cls_to_wrap": layer_cls,
                    "reshard_after_forward": bool(fs.get("reshard_after_forward", True)),
@@ -247,7 +247,7 @@ def _run_deepspeed(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
     cfg.update(train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=accum,
                train_batch_size=mb * accum * world)
     cfg.setdefault("gradient_clipping", float(a.get("max_grad_norm", 1.0)))  # the Trainer's
-    model = build_model(spec, workdir)
+    model = spec_model(spec, workdir)
     full_param_bytes = sum(tensor_bytes(p) for p in model.parameters())
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                   lr=float(a.get("learning_rate", 1e-3)), foreach=False)

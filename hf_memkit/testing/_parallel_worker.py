@@ -66,7 +66,7 @@ from typing import Any
 from .._device.rss import alive_cpu_tensor_bytes
 from ._rank_tools import digest, digesting_collate, examples, optimizer_bytes, tensor_bytes
 from .groundtruth import close_window, open_window
-from .models import build_model
+from .models import spec_model
 
 # What torch 2.13's context parallelism does on this CPU build (gloo, 2 ranks, a Llama with SDPA,
 # accelerate's pre-forward hook that drops the mask for ``is_causal=True``, the buffers the
@@ -122,7 +122,7 @@ def _tp_model(spec: dict[str, Any], workdir: str, world: int):
     import transformers
     from transformers.distributed import DistributedConfig
 
-    model = build_model(spec, workdir)
+    model = spec_model(spec, workdir)
     full = sum(tensor_bytes(p) for p in model.parameters())
     ckpt = os.path.join(workdir, "ckpt")
     model.save_pretrained(ckpt)  # each rank its own copy of the same (seed 0) weights
@@ -302,7 +302,7 @@ def run_sp(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
     steps_n = max(2, int(spec.get("steps", 3)))
     world = int(os.environ["WORLD_SIZE"])
     spec = {**spec, "attn_implementation": spec.get("attn_implementation", "sdpa")}
-    model = build_model(spec, workdir)
+    model = spec_model(spec, workdir)
     full_param_bytes = sum(tensor_bytes(p) for p in model.parameters())
     args = _sp_args(spec, workdir, steps_n, world)
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps

@@ -1,4 +1,5 @@
-"""An independent CPU measurement of a real Trainer run's peak tensor memory (DESIGN.md).
+"""An independent CPU measurement of a real Trainer run's peak tensor memory
+(docs/stack-facts.md#cpu-ground-truth).
 
 Never used by the estimator; used to check it (tests, ``bench/estimator_cpu.py``) and by the
 planner benchmark. Method:
@@ -33,7 +34,7 @@ import time
 from typing import Any
 
 from .._device.rss import alive_cpu_tensor_bytes
-from .models import build_model, synthetic_examples
+from .models import spec_model, synthetic_examples
 
 _MARK = "@@HF_MEMKIT_RESULT "
 
@@ -99,7 +100,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":
         raise RuntimeError("MALLOC_MMAP_THRESHOLD_=65536 must be set when the process starts")
     with tempfile.TemporaryDirectory() as workdir:
-        model = build_model(spec, workdir)
+        model = spec_model(spec, workdir)
         steps = max(2, int(spec.get("steps", 3)))
         a = dict(spec["args"])
         n = a.get("per_device_train_batch_size", 8) * a.get("gradient_accumulation_steps", 1) * (

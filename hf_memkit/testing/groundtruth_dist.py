@@ -1,4 +1,5 @@
-"""An independent multi-process CPU measurement of per-rank peak tensor memory (DESIGN.md, issue 7).
+"""An independent multi-process CPU measurement of per-rank peak tensor memory
+(docs/stack-facts.md#cpu-ground-truth, issue 7).
 
 Never used by the estimator; it checks the per-rank (sharding) estimates. ``nproc`` ranks run on
 this machine under ``torchrun`` with the gloo backend, each started with

@@ -12,7 +12,8 @@ Spec keys besides ``groundtruth.measure_trainer_peak``'s:
     tokenizer maps one to one onto token ids;
   * ``ref_model`` (DPO, default True): pass a separate reference model, built like the policy,
     unless the policy is a PEFT model or ``precompute_ref_log_probs`` is set (as users must:
-    ``DPOTrainer`` loads the reference from the model's Hub name otherwise, DESIGN.md);
+    ``DPOTrainer`` loads the reference from the model's Hub name otherwise,
+    docs/stack-facts.md#trl-sfttrainer-and-dpotrainer);
   * "grpo" / "rloo": ``GRPOTrainer`` / ``RLOOTrainer`` generating with the policy's own
     ``generate`` (``use_vllm=False``); each row is a ``prompt`` of ``seq_len`` words (the longest
     prompt, as ``estimate_memory``'s ``seq_len``), rewarded by the completion's share of even
@@ -82,7 +83,7 @@ def make_trl_trainer(spec: dict[str, Any], model: Any, a: dict[str, Any], n: int
     import datasets
     import trl
 
-    from .models import build_model
+    from .models import spec_model
 
     vocab = model.config.get_text_config().vocab_size
     kind = spec["trainer"]
@@ -97,7 +98,7 @@ def make_trl_trainer(spec: dict[str, Any], model: Any, a: dict[str, Any], n: int
         ref = None
         if spec.get("ref_model", True) and not spec.get("lora") and \
                 not config.precompute_ref_log_probs:
-            ref = build_model(spec, workdir)
+            ref = spec_model(spec, workdir)
         return trl.DPOTrainer(model=model, ref_model=ref, args=config, train_dataset=data,
                               processing_class=tokenizer(vocab), callbacks=callbacks)
     if kind in ("grpo", "rloo"):

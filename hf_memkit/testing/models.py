@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 
-def build_model(spec: dict[str, Any], workdir: str):
+def spec_model(spec: dict[str, Any], workdir: str):
     """The model of a spec, built for real (random init), LoRA/QLoRA applied as users do."""
     import torch
     import transformers
@@ -21,13 +21,13 @@ def build_model(spec: dict[str, Any], workdir: str):
     kw = {"attn_implementation": attn} if attn else {}
     torch.manual_seed(0)
     if spec.get("quantization"):
-        # from_config rejects quantization_config: save, then load quantized (DESIGN.md)
-        auto.from_config(config, dtype=dtype, **kw).save_pretrained(workdir)
+        from .._model.profile import load_quantized
+
         q = dict(spec["quantization"])
         if "bnb_4bit_compute_dtype" in q:
             q["bnb_4bit_compute_dtype"] = getattr(torch, q["bnb_4bit_compute_dtype"])
-        model = auto.from_pretrained(workdir, dtype=dtype,
-                                     quantization_config=transformers.BitsAndBytesConfig(**q), **kw)
+        model = load_quantized(auto, config, transformers.BitsAndBytesConfig(**q), workdir,
+                               dtype=dtype, **kw)
     else:
         model = auto.from_config(config, dtype=dtype, **kw)
     if spec.get("lora"):

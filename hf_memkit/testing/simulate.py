@@ -4,8 +4,9 @@
 tensor storage (tensors alive when it starts, plus every storage an op creates while it is
 active, released when the storage is freed) and raises ``torch.OutOfMemoryError`` with CUDA's
 wording when the count would exceed ``limit``, so accelerate's ``find_executable_batch_size`` and
-the Trainer's ``auto_find_batch_size`` react as they do on a GPU (DESIGN.md). It also records the
-peak, which tests compare with the budget.
+the Trainer's ``auto_find_batch_size`` react as they do on a GPU
+(docs/stack-facts.md#oom-wording-and-batch-size-retry). It also records the peak, which tests
+compare with the budget.
 """
 
 from __future__ import annotations

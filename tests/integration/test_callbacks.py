@@ -38,10 +38,10 @@ SPEC = {"config": tiny_llama_config(hidden_size=128, num_hidden_layers=2).to_dic
 CHILD = textwrap.dedent("""
     import json, os, sys, torch, transformers
     import hf_memkit as mk
-    from hf_memkit.testing.groundtruth import build_model, synthetic_examples
+    from hf_memkit.testing.groundtruth import spec_model, synthetic_examples
     from hf_memkit.callbacks import MemoryCallback, ThroughputCallback
     spec, out = json.loads(sys.argv[1]), sys.argv[2]
-    model = build_model(spec, out)
+    model = spec_model(spec, out)
     a = dict(spec["args"])
     data = synthetic_examples(spec, model.config, a["per_device_train_batch_size"] * (spec["steps"] + 1))
     a.update(output_dir=out, max_steps=spec["steps"], use_cpu=True, report_to=["tensorboard"],
@@ -101,7 +101,8 @@ def test_cpu_values_match_independent_measurement(cpu_run):
         assert h["memory/predicted_peak_gib"] == pytest.approx(child["predicted"] / GiB)
         assert h["memory/actual_over_predicted"] == pytest.approx(
             h["memory/peak_allocated_gib"] * GiB / child["predicted"])
-    # the estimator's own bar (DESIGN.md) holds here: within 8% of the measured steady peak
+    # a wider band than the estimator's CPU bar (docs/quality-bars.md): within 8% of the
+    # measured steady peak
     worst = max(h["memory/actual_over_predicted"] for h in logs[1:])
     assert 0.92 <= worst <= 1.08
 

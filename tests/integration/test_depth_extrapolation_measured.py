@@ -2,7 +2,7 @@
 (deeper than ``FULL_TRACE_MAX_LAYERS``, so the estimate comes from traces of 2 and 3 blocks),
 measured with the independent CPU ground truth (``hf_memkit.testing.groundtruth``) running the
 whole model through a real Trainer. The bench measured -0.03% (fp32) and -0.05% (checkpointing);
-the tolerance is DESIGN.md's worst-case bar, 3%."""
+the tolerance is the worst-case CPU bar, 3% (docs/quality-bars.md)."""
 
 from __future__ import annotations
 

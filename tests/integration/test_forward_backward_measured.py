@@ -1,5 +1,6 @@
 """``stage="forward_backward"`` against a real run: a tiny Llama's forward + backward measured
-through RSS in a child process (DESIGN.md: MALLOC_MMAP_THRESHOLD_ + clear_refs + VmHWM)."""
+through RSS in a child process (MALLOC_MMAP_THRESHOLD_ + clear_refs + VmHWM:
+docs/stack-facts.md#cpu-ground-truth)."""
 
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ def test_forward_backward_stage_has_no_optimizer_state_and_matches_a_real_run():
     ``_init_group``) keeps exp_avg and exp_avg_sq (8 bytes per fp32 parameter) and a 0-dim fp32
     ``step`` per tensor, which the train estimate carries in every phase and forward_backward
     does not. The estimate's peak is checked against a real forward + backward measured by RSS
-    (DESIGN.md: MALLOC_MMAP_THRESHOLD_=65536, clear_refs + VmHWM, plus the tensors alive when the
-    window opens; steady-state iterations 2 and 3)."""
+    (docs/stack-facts.md#cpu-ground-truth: MALLOC_MMAP_THRESHOLD_=65536, clear_refs + VmHWM,
+    plus the tensors alive when the window opens; steady-state iterations 2 and 3)."""
     n_params = 1000 * 128 + 2 * (4 * 128 * 128 + 3 * 128 * 344 + 2 * 128) + 128 + 1000 * 128
     n_tensors = 1 + 2 * 9 + 1 + 1
     cfg = LlamaConfig(**TINY_LLAMA)

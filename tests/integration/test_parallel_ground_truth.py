@@ -17,7 +17,7 @@ import pytest
 
 from hf_memkit._run.synthetic import SyntheticTextDataset, tiny_llama_config
 from hf_memkit.testing.groundtruth_dist import measure_distributed_peak
-from hf_memkit.testing.models import build_model
+from hf_memkit.testing.models import spec_model
 from tests.helpers import BENCH, require
 
 pytestmark = pytest.mark.slow
@@ -131,7 +131,7 @@ def test_tp_losses_match_a_single_process_run(tp):
 
     spec, res = tp
     with tempfile.TemporaryDirectory() as workdir:
-        model = build_model(spec, workdir)
+        model = spec_model(spec, workdir)
     model.train()
     args = transformers.TrainingArguments(output_dir="unused", use_cpu=True, report_to=[],
                                           optim=spec["args"]["optim"], learning_rate=LR)

@@ -121,13 +121,13 @@ def test_memory_callback_logs_grpo_generation_and_scoring(tmp_path):
     scores its old log-probs)."""
     from hf_memkit.callbacks import MemoryCallback
     from hf_memkit.testing.groundtruth_trl import make_trl_trainer
-    from hf_memkit.testing.models import build_model
+    from hf_memkit.testing.models import spec_model
 
     args = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=16,
                 num_iterations=2, max_steps=2, logging_steps=1, use_cpu=True, report_to=[],
                 save_strategy="no", output_dir=str(tmp_path / "out"), disable_tqdm=True, **FP32)
     spec = {"config": CFG.to_dict(), "trainer": "grpo", "seq_len": 32, "args": args}
-    model = build_model(spec, str(tmp_path))
+    model = spec_model(spec, str(tmp_path))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = make_trl_trainer(spec, model, dict(args), 16, str(tmp_path),

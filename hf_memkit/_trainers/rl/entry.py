@@ -17,10 +17,10 @@ Read from TRL 1.16 (``trl/trainer/grpo_trainer.py``, ``rloo_trainer.py``, ``grpo
     through the fused head in chunks of ``per_device_train_batch_size`` rows;
   * **train** (``_compute_loss``): ``per_device_train_batch_size`` rows of prompt + completion,
     labels only on the completion, ``add_fused_lm_head(outputs=("log_probs", "entropy"))``, the
-    clipped ratio loss (``ScoreStep`` / ``TrainStep``).
+    clipped ratio loss (``steps.ScoreStep``).
 Completions run to ``max_completion_length`` (generation stops when every row has), so that is
 the length estimated; ``seq_len`` is the longest prompt. A colocated vLLM generates instead of
-the policy: its memory is a tenant of its own (``vllm``, ``_estimate.rollout.colocated``), not
+the policy: its memory is a tenant of its own (``vllm``, ``colocate``: ``GRPO.tenant``), not
 a phase traced here; in server mode it is on other GPUs.
 """
 
@@ -30,170 +30,35 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
+from ..base import (
+    BatchShape,
+    RolloutPhase,
+    Tenant,
+    TraceStep,
+    TrlTrainerKind,
+    Unmodelled,
+    padded_length,
+    register,
+)
+from ..data import token_rows, word_tokenizer
+from . import colocate, rollout
+from .steps import GenerateStep, ScoreStep
 
-from .base import BatchShape, TraceStep, TrlTrainerKind, padded_length, register
-from .data import token_rows, word_tokenizer
-from .fused_head import add_head, fold_context
-
-RL_OUTPUTS = ("log_probs", "entropy")   # GRPOTrainer / RLOOTrainer.__init__
-
-
-def generation_steps(options: Mapping[str, Any], micro_batch: int, grad_accum: int,
-                     ranks: int) -> int:
-    """``steps_per_generation`` as ``GRPOConfig.__post_init__`` resolves it: given, else
-    ``generation_batch_size / (per_device_train_batch_size x processes)``, else the
-    accumulation steps."""
-    if options.get("steps_per_generation"):
-        return int(options["steps_per_generation"])
-    if options.get("generation_batch_size"):
-        return max(1, int(options["generation_batch_size"]) // (micro_batch * max(1, ranks)))
-    return grad_accum
-
-
-def _completion_labels(batch: dict[str, Any], completion: int) -> dict[str, Any]:
-    """The trainer's forward inputs: labels only on the last ``completion`` positions
-    (``_get_per_token_logps_and_entropies``)."""
-    ids, mask = batch["input_ids"], batch.get("attention_mask")
-    labels = ids.masked_fill(mask == 0, -100) if mask is not None else ids.clone()
-    labels[:, :-completion] = -100
-    out = {"input_ids": ids, "labels": labels}
-    if mask is not None:
-        out["attention_mask"] = mask
-    return out
-
-
-def _logps(model: Any, inputs: dict[str, Any], completion: int) -> torch.Tensor:
-    out = model(**inputs, fused_lm_head=True)
-    return out.log_probs[:, -completion:]
-
-
-class ScoreStep(TraceStep):
-    """The policy's step through TRL's fused head: the loss of ``_compute_loss`` (train), or the
-    no-grad scoring of ``_generate_and_score_completions`` (the eval trace of phase "score")."""
-
-    title = "GRPOTrainer"
-
-    def __init__(self, options: Mapping[str, Any]) -> None:
-        super().__init__(options)
-        self.completion = int(options["max_completion_length"])
-        self.beta = float(options.get("beta") or 0.0)
-
-    def prepare(self, model: Any, *, adapters: bool) -> None:
-        super().prepare(model, adapters=adapters)
-        add_head(model, RL_OUTPUTS)
-
-    def prepare_reference(self, model: Any) -> None:
-        add_head(model)
-
-    def kernels(self, target: Any) -> Any:
-        return fold_context(target, self.options)
-
-    def loss(self, model: Any, batch: dict[str, Any], reference: Any = None) -> Any:
-        inputs, c = _completion_labels(batch, self.completion), self.completion
-        if not torch.is_grad_enabled():     # phase "score": old and reference log-probs
-            rows = self.options.get("generation_rows") or inputs["input_ids"].shape[0]
-            kept = [torch.empty(rows, c)] if self.options.get("old_logps") else []
-            if kept:
-                kept[0][: inputs["input_ids"].shape[0]] = _logps(model, inputs, c)
-            if self.beta and reference is not None:
-                kept.append(torch.empty(rows, c))
-                if hasattr(reference, "disable_adapter"):
-                    with reference.disable_adapter():
-                        kept[-1][: inputs["input_ids"].shape[0]] = _logps(reference, inputs, c)
-                else:
-                    kept[-1][: inputs["input_ids"].shape[0]] = _logps(reference, inputs, c)
-            return kept
-        out = model(**inputs, fused_lm_head=True)           # _compute_loss
-        logps, entropy = out.log_probs[:, -c:], out.entropy[:, -c:]
-        mask = inputs["labels"][:, -c:] != -100
-        old = logps.detach()
-        ratio = torch.exp(logps - old)
-        advantages = torch.zeros(logps.shape[0], 1)
-        eps = float(self.options.get("epsilon") or 0.2)
-        per_token = -torch.min(ratio * advantages,
-                               torch.clamp(ratio, 1 - eps, 1 + eps) * advantages)
-        if self.beta:
-            ref = torch.zeros_like(old)
-            per_token = per_token + self.beta * (torch.exp(ref - logps) - (ref - logps) - 1)
-        del entropy
-        return (per_token * mask).sum() / mask.sum().clamp(min=1)
-
-
-class GenerateStep(TraceStep):
-    """The policy's ``generate`` at its two peaks (module docstring), recorded as phases
-    "prefill" and "decode" of an eval trace (``rollout``)."""
-
-    title = "GRPOTrainer"
-
-    def __init__(self, options: Mapping[str, Any]) -> None:
-        super().__init__(options)
-        self.completion = int(options["max_completion_length"])
-
-    def prepare(self, model: Any, *, adapters: bool) -> None:
-        super().prepare(model, adapters=adapters)
-        add_head(model, RL_OUTPUTS)
-
-    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
-        """``_sample``'s token selection: an fp32 copy of the last logits, the logits processors
-        TRL's generation config switches on, softmax, multinomial."""
-        scores = logits[:, -1].to(copy=True, dtype=torch.float32)
-        o = self.options
-        if o.get("repetition_penalty", 1.0) != 1.0:   # RepetitionPenaltyLogitsProcessor
-            scores = scores.scatter(1, torch.zeros_like(scores[:, :1], dtype=torch.long),
-                                    scores[:, :1])
-        if o.get("temperature", 1.0) not in (1.0, 0.0):  # TemperatureLogitsWarper
-            scores = scores / float(o["temperature"])
-        if o.get("top_k"):                                # TopKLogitsWarper
-            scores = scores.masked_fill(scores < torch.topk(scores, int(o["top_k"]))[0][..., -1:],
-                                        -float("inf"))
-        if o.get("top_p", 1.0) < 1.0:                     # TopPLogitsWarper
-            ordered, idx = torch.sort(scores, descending=False)
-            drop = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - float(o["top_p"])
-            scores = scores.masked_fill(drop.scatter(1, idx, drop), -float("inf"))
-        if o.get("min_p") is not None:                    # MinPLogitsWarper
-            probs = torch.softmax(scores, dim=-1)
-            scores = scores.masked_fill(probs < probs.amax(-1, keepdim=True) * float(o["min_p"]),
-                                        -float("inf"))
-        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)
-
-    def rollout(self, model: Any, batch: dict[str, Any], reference: Any,
-                record: Callable[[str], None]) -> None:
-        ids, mask = batch["input_ids"], batch.get("attention_mask")
-        kw = {"attention_mask": mask} if mask is not None else {}
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **kw)
-        self._sample(out.logits)
-        cache = out.past_key_values
-        del out
-        record("prefill")
-        total = ids.shape[1] + self.completion        # the last step attends to all of it
-        grow_cache(cache, total - 1)
-        step = ids[:, :1]
-        if mask is not None:
-            kw["attention_mask"] = torch.ones(ids.shape[0], total, dtype=mask.dtype)
-        out = model(input_ids=step, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                    **kw)
-        self._sample(out.logits)
-        del out, cache
-        record("decode")
-
-
-def grow_cache(cache: Any, length: int) -> None:
-    """Make each key/value layer of a transformers ``DynamicCache`` hold ``length`` tokens, as
-    decoding up to there leaves it (a sliding-window layer keeps its last ``window - 1``; a
-    layer of another kind, such as a linear-attention state, keeps its size)."""
-    for layer in getattr(cache, "layers", ()):
-        keys = getattr(layer, "keys", None)
-        if not isinstance(keys, torch.Tensor) or keys.dim() < 2:
-            continue
-        window = getattr(layer, "sliding_window", None)
-        n = min(length, window - 1) if window else length
-        shape = (*keys.shape[:-2], n, keys.shape[-1])
-        vshape = (*layer.values.shape[:-2], n, layer.values.shape[-1])
-        layer.keys = torch.empty(shape, dtype=keys.dtype)
-        layer.values = torch.empty(vshape, dtype=layer.values.dtype)
-        if hasattr(layer, "cumulative_length"):
-            layer.cumulative_length = length
+# fields of GRPOConfig / RLOOConfig that change what generation holds, not modelled
+GENERATION_UNMODELLED = {
+    name: Unmodelled(what, when=when) for name, what, when in (
+        ("cache_implementation", "the KV cache generation uses (\"static\" allocates "
+         "prompt + max_completion_length at once; quantized or offloaded caches)", {}),
+        ("generation_kwargs", "generation settings that may change the KV cache or the "
+         "sampling's [rows x vocab] temporaries", {}),
+        ("use_transformers_continuous_batching", "transformers' continuous batching "
+         "generates from a paged KV cache of its own size", {}),
+        ("transformers_continuous_batching_config", "the paged KV cache's size",
+         {"use_transformers_continuous_batching": (True,)}),
+        ("use_transformers_paged", "generation from a paged KV cache of its own size", {}),
+        ("vllm_model_impl", "the colocated vLLM's model implementation (vLLM's or "
+         "transformers' modelling code, with activations of their own)",
+         {"use_vllm": (True,)}))}
 
 
 class GRPO(TrlTrainerKind):
@@ -208,8 +73,14 @@ class GRPO(TrlTrainerKind):
               "vllm_tensor_parallel_size", "vllm_enable_sleep_mode",
               "ds3_gather_for_generation")
     eval_is_forward = False   # its eval generates completions
+    sequence_split = False    # its rollout's generation and scoring are not split over ranks
     takes_ref_model = False
     derived = ("generation_batch_size", "steps_per_generation")   # GRPOConfig.__post_init__
+    unmodelled_fields = {
+        **GENERATION_UNMODELLED,
+        "cast_lm_head_to_fp32": Unmodelled("an fp32 copy of the LM head and fp32 logits"),
+        "max_tool_calling_iterations": Unmodelled("tool calls lengthen the completions past "
+                                                  "max_completion_length")}
     irrelevant = {
         "the loss's arithmetic on [rows x completion] per-token values and per-row rewards": (
             "loss_type", "importance_sampling_level", "delta", "epsilon_high",
@@ -230,6 +101,15 @@ class GRPO(TrlTrainerKind):
             "vllm_server_timeout", "vllm_group_port", "vllm_structured_outputs_regex"),
         "the reference (a held copy) is mixed in place between steps": (
             "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps")}
+
+    def rederive(self, args: Any, planned: dict[str, Any]) -> dict[str, Any]:
+        # GRPOConfig.__post_init__ derives generation_batch_size and steps_per_generation from
+        # each other and refuses both set, and an instance holds both: steps per generation
+        # that were the accumulation follow the plan's; others are kept
+        out = {"generation_batch_size": None, **planned}
+        if args.steps_per_generation == args.gradient_accumulation_steps:
+            out.setdefault("steps_per_generation", None)
+        return out
 
     def read(self, get: Callable[[str], Any]) -> dict[str, Any]:
         o = {f: get(f) for f in self.fields}
@@ -266,13 +146,32 @@ class GRPO(TrlTrainerKind):
             return None
         return "adapters" if adapters else "copy"
 
-    def rollout(self, options: Mapping[str, Any], steps_per_generation: int,
-                grad_accum: int) -> tuple[str, ...]:
-        """The phases besides the train step, each an eval trace of its own (``_estimate``)."""
+    def rollout_phases(self, options: Mapping[str, Any], steps_per_generation: int,
+                       grad_accum: int) -> tuple[str, ...]:
+        """The phases besides the train step, each an eval trace of its own: generation by
+        the policy (not where vLLM generates), and scoring where old or reference log-probs
+        are computed."""
         phases = () if options.get("use_vllm") else ("generate",)
         if self.old_logps(options, steps_per_generation, grad_accum) or options.get("beta"):
             phases += ("score",)
         return phases
+
+    def rollout(self, spec: Any, setup: Any, rs: Any, *, held: int,
+                trace: Callable[[Any], Any]) -> dict[str, RolloutPhase]:
+        phases = self.rollout_phases(setup.trainer_options, rollout.steps_of(setup),
+                                     setup.grad_accum)
+        return rollout.rollout_phases(phases, spec, setup, rs, held=held, trace=trace)
+
+    def rollout_notes(self, setup: Any, phases: Mapping[str, RolloutPhase]) -> list[str]:
+        return rollout.rollout_notes(setup, phases)
+
+    def tenant(self, spec: Any, setup: Any, dev: Any, *, seq_len: int, held: int,
+               parts: Mapping[str, int], rs: Any, used: int, phase: str) -> Tenant | None:
+        return colocate.tenant(spec, setup, dev, seq_len=seq_len, held=held, parts=parts,
+                               rs=rs, used=used, phase=phase)
+
+    def plan_around(self, req: Any, run: Callable[[Any], Any], base: Callable[[], Any]) -> Any:
+        return colocate.plan_beside_vllm(req, run, base)
 
     def unmodelled(self, options: Mapping[str, Any]) -> list[str]:
         return []
@@ -349,6 +248,7 @@ class RLOO(GRPO):
     title = "RLOOTrainer"
     config_class = "trl.RLOOConfig"
     fields = tuple(f for f in GRPO.fields if not f.startswith("vllm_importance"))
+    unmodelled_fields = GENERATION_UNMODELLED
 
     def old_logps(self, options: Mapping[str, Any], steps_per_generation: int,
                   grad_accum: int) -> bool:

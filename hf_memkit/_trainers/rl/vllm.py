@@ -51,8 +51,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._errors import ConfigError
-from .._units import MiB, format_bytes
+from ..._errors import ConfigError
+from ..._units import MiB, format_bytes
 
 TRL_MAX_NUM_BATCHED_TOKENS = 4096   # VLLMGeneration.__init__ passes this literal to LLM(...)
 TRL_SLEEP_LEVEL = 2                 # VLLMGeneration: self.llm.sleep(level=2)
@@ -93,7 +93,7 @@ _REQUIRED = object()
 
 
 def _help(text: str, default: Any = _REQUIRED) -> Any:
-    """A dataclass field with its ``help`` (STYLE.md 3)."""
+    """A dataclass field with its ``help`` (docs/style.md §3)."""
     if default is _REQUIRED:
         return field(metadata={"help": text})
     return field(default=default, metadata={"help": text})

@@ -109,7 +109,7 @@ def test_cuda_autocast_policy_on_cpu_fake_tensors():
 
 # torch's own AutocastCUDA kernels (this CPU build registers them) run on fake CUDA tensors, and
 # the emulation on fake CPU tensors; each prints the output dtype. In a child process: fake CUDA
-# tensors can abort the interpreter (DESIGN.md, stack facts).
+# tensors can abort the interpreter (docs/stack-facts.md#fake-cuda-tensors-on-a-cpu-build).
 _AUTOCAST_CHILD = textwrap.dedent('''
     import contextlib, json
     import torch, torch.nn.functional as F
@@ -487,7 +487,7 @@ def test_amp_eager_attention_keeps_fp32_softmax_on_cuda():
 def test_context_follows_cuda_version_and_module_loading():
     """torch/cuda/__init__.py ``_lazy_init`` sets CUDA_MODULE_LOADING=LAZY, which CUDA honours from
     11.7 on; before 11.7, or with CUDA_MODULE_LOADING=EAGER, every kernel loads at context
-    creation (shared/anchors: 1343 MiB on a V100 with CUDA 11.2). Lazy: measured on an H200
+    creation (docs/anchors.md: 1343 MiB on a V100 with CUDA 11.2). Lazy: measured on an H200
     with CUDA 13.0 (bench/results/gpu, the fit file): 523.6 MiB at init + up to 240 MiB of
     kernels a training step loads."""
     eager, lazy = 1343 * MiB, 524 * MiB + 240 * MiB

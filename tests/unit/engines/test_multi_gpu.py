@@ -75,12 +75,12 @@ def test_zero_model_states_match_deepspeeds_estimators(name, world):
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    from hf_memkit._model import build_model
+    from hf_memkit._model import model_from_config
     from hf_memkit._model import to_config as _to_config
 
     total = mk.profile_model(name).total_params
     with torch.device("meta"):
-        _, largest = model_to_params(build_model(_to_config(name), "causal-lm"))
+        _, largest = model_to_params(model_from_config(_to_config(name), "causal-lm"))
     nodes, per_node = max(1, world // 8), min(world, 8)
     for off in (False, True):
         ours = est(name, {"bf16": True, "deepspeed": ds(2, world, off)}, num_gpus=world)

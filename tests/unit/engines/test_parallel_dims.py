@@ -288,8 +288,8 @@ def test_a_split_that_cannot_fit_is_refused_after_one_search():
     tried: list[tuple[int, str]] = []
 
     def never(sub):
-        tried.append((sub.cp, sub.cp_comm))
-        raise HfMemkitError(f"cp {sub.cp} {sub.cp_comm} does not fit")
+        tried.append((sub.split.cp, sub.split.cp_comm))
+        raise HfMemkitError(f"cp {sub.split.cp} {sub.split.cp_comm} does not fit")
 
     with pytest.raises(HfMemkitError, match="does not fit either: cp 8 alltoall does not fit"):
         plan_split(req, never, HfMemkitError("whole sequences do not fit"))
@@ -298,10 +298,10 @@ def test_a_split_that_cannot_fit_is_refused_after_one_search():
     tried.clear()
 
     def from_four(sub):
-        tried.append((sub.cp, sub.cp_comm))
-        if sub.cp < 4:
+        tried.append((sub.split.cp, sub.split.cp_comm))
+        if sub.split.cp < 4:
             raise HfMemkitError("too long")
-        return SimpleNamespace(notes=[], cp=sub.cp, comm=sub.cp_comm)
+        return SimpleNamespace(notes=[], cp=sub.split.cp, comm=sub.split.cp_comm)
 
     out = plan_split(req, from_four, HfMemkitError("whole sequences do not fit"))
     assert (out.cp, out.comm) == (4, "allgather")

@@ -78,7 +78,8 @@ def test_checkpointing_cuts_activations_and_new_name_wins():
     off = est(args=dict(per_device_train_batch_size=8), seq_len=256)
     on = est(args=dict(per_device_train_batch_size=8, activation_checkpointing=True), seq_len=256)
     assert on.breakdown["activations"] < 0.6 * off.breakdown["activations"]
-    # DESIGN.md: both names set -> the new one wins, silently
+    # both names set -> the new one wins, silently
+    # (docs/stack-facts.md#checkpointing-field-names)
     mixed = est(args=dict(per_device_train_batch_size=8, activation_checkpointing=False,
                           gradient_checkpointing=True), seq_len=256)
     assert mixed.peak_allocated == off.peak_allocated

@@ -139,7 +139,7 @@ def test_bundled_configs_match_published_counts(name, task):
 
 
 def test_bert_large_classifier_matches_anchor():
-    # shared/anchors hf_perf_bert_large_weights_loaded: 335,141,888 + 2,050 classifier
+    # anchor hf_perf_bert_large_weights_loaded (docs/anchors.md): 335,141,888 + 2,050 classifier
     p = mk.profile_model("bert-large-uncased", task="sequence-classification")
     assert p.total_params == 335_143_938
 

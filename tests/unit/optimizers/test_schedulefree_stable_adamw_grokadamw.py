@@ -156,8 +156,9 @@ print(json.dumps({"peak": min(peaks[1:])}))
 
 
 def test_stable_adamw_bf16_step_peak_by_rss():
-    """An independent measurement (DESIGN.md: VmHWM with every large tensor its own mapping) of
-    the single-tensor CPU step of a bf16 param: 3 x the param, not MemTracker's 2 x."""
+    """An independent measurement (VmHWM with every large tensor its own mapping:
+    docs/stack-facts.md#cpu-ground-truth) of the single-tensor CPU step of a bf16 param: 3 x
+    the param, not MemTracker's 2 x."""
     import json
     import os
     import subprocess

@@ -1,4 +1,4 @@
-"""A colocated vLLM engine's memory (``hf_memkit._trainers.vllm``), term by term against vLLM's
+"""A colocated vLLM engine's memory (``hf_memkit._trainers.rl.vllm``), term by term against vLLM's
 rules as its code writes them. Every expected number is worked out by hand here, from the rule
 cited beside it, never read back from the function under test."""
 
@@ -11,7 +11,7 @@ import pytest
 from transformers import DeepseekV3Config, LlamaConfig, MistralConfig
 
 from hf_memkit._errors import ConfigError
-from hf_memkit._trainers.vllm import (
+from hf_memkit._trainers.rl.vllm import (
     CUDA_GRAPH_BYTES,
     VllmSettings,
     colocated_vllm,
