@@ -144,7 +144,8 @@ class Rung:
 @dataclass(frozen=True)
 class EmitContext:
     """What an engine needs to write the TrainingArguments of a rung. ``dims``: the degrees the
-    run launches with (``settled``); the batch fields read the data-parallel degree from it."""
+    run launches with (the rung's over the ranks: ``ParallelDims.over``); the batch fields read
+    the data-parallel degree from it."""
 
     ranks: int
     micro_batch: int
@@ -154,11 +155,7 @@ class EmitContext:
     hidden: int
     layer_class: str | None
     max_grad_norm: float
-    dims: ParallelDims | None = None   # None: every rank data-parallel
-
-    def __post_init__(self) -> None:
-        if self.dims is None:
-            object.__setattr__(self, "dims", ParallelDims().over(self.ranks))
+    dims: ParallelDims
 
 
 class Engine:

@@ -224,11 +224,11 @@ DEEPSPEED_ENGINE = register(DeepSpeed())
 
 
 def deepspeed_config_for(sh: Sharding, *, micro_batch: int, grad_accum: int, precision: str,
-                         hidden: int, data_parallel: int | None = None,
+                         hidden: int, data_parallel: int,
                          max_grad_norm: float = 1.0) -> dict[str, Any]:
     """A complete DeepSpeed config (no "auto" left, so DeepSpeed's own class can check it).
     ``train_batch_size`` is micro-batch x accumulation x the data-parallel ranks
-    (``data_parallel``; default every rank): under sequence parallelism DeepSpeed takes its
+    (``data_parallel``, from ``ParallelDims``): under sequence parallelism DeepSpeed takes its
     world size from the data-parallel group (``DeepSpeedConfig``: the world / ``sp``)."""
     z: dict[str, Any] = {"stage": sh.stage, "overlap_comm": True, "contiguous_gradients": True,
                          "reduce_bucket_size": sh.reduce_bucket or hidden * hidden}
@@ -245,7 +245,7 @@ def deepspeed_config_for(sh: Sharding, *, micro_batch: int, grad_accum: int, pre
         z["offload_param"] = {"device": "cpu", "pin_memory": True}
     return {"train_micro_batch_size_per_gpu": micro_batch,
             "gradient_accumulation_steps": grad_accum,
-            "train_batch_size": micro_batch * grad_accum * (data_parallel or sh.world_size),
+            "train_batch_size": micro_batch * grad_accum * data_parallel,
             "gradient_clipping": max_grad_norm, "zero_optimization": z,
             "bf16": {"enabled": precision == "bf16"},
             "fp16": {"enabled": precision == "fp16"}}

@@ -89,7 +89,7 @@ def test_what_an_engine_emits_reads_back_as_its_rung(engine, rung):
     precision = (rung.precisions or ("bf16",))[0]
     ctx = EmitContext(ranks=4, micro_batch=2, grad_accum=2, precision=precision,
                       checkpointing=True, hidden=64, layer_class="LlamaDecoderLayer",
-                      max_grad_norm=1.0)
+                      max_grad_norm=1.0, dims=rung.dims.over(4))
     emitted = ENGINES.get(engine).emit(rung, ctx)
     setup = _read({**emitted, precision: True, "gradient_accumulation_steps": 2}, num_gpus=4)
     sh = setup.sharding

@@ -146,7 +146,7 @@ class GRPO(TrlTrainerKind):
             return None
         return "adapters" if adapters else "copy"
 
-    def rollout_phases(self, options: Mapping[str, Any], steps_per_generation: int,
+    def phase_names(self, options: Mapping[str, Any], steps_per_generation: int,
                        grad_accum: int) -> tuple[str, ...]:
         """The phases besides the train step, each an eval trace of its own: generation by
         the policy (not where vLLM generates), and scoring where old or reference log-probs
@@ -158,7 +158,7 @@ class GRPO(TrlTrainerKind):
 
     def rollout(self, spec: Any, setup: Any, rs: Any, *, held: int,
                 trace: Callable[[Any], Any]) -> dict[str, RolloutPhase]:
-        phases = self.rollout_phases(setup.trainer_options, rollout.steps_of(setup),
+        phases = self.phase_names(setup.trainer_options, rollout.steps_of(setup),
                                      setup.grad_accum)
         return rollout.rollout_phases(phases, spec, setup, rs, held=held, trace=trace)
 
