@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 
 from .._registry import Registry
-from .._units import MiB
+from .._units import GiB, MiB
 
 VENDORS = ("nvidia", "amd", "apple")
 
@@ -46,6 +46,11 @@ class GpuSpec:
     source: str = field(default="", metadata={"help": "Where the figures come from (URLs)."})
     vendor: str = field(default="nvidia", metadata={
         "help": "'nvidia' (CUDA), 'amd' (ROCm, torch's cuda device) or 'apple' (MPS)."})
+    cuda_memory: int | None = field(default=None, metadata={
+        "help": "Bytes CUDA hands to a process: torch's total_memory, the 'total capacity' of "
+                "its out-of-memory message; NVML's total less what the driver and firmware "
+                "reserve. None where no measurement is published (the budget then assumes "
+                "``_estimate.budget.DRIVER_RESERVE``)."})
 
     def __post_init__(self) -> None:
         if self.vendor not in VENDORS:
@@ -117,6 +122,9 @@ register(GpuSpec(
     320 * GB_S, "pcie3", 32 * GB_S,
     aliases=("Tesla T4", "T4-16GB"), source="NVIDIA T4 datasheet, https://www.nvidia.com/en-us/data-center/tesla-t4/"
            "; nvidia-smi totals: https://github.com/modal-labs/modal-client/pull/2797",
+    # torch's total in its OOM messages: 14.56 GiB on GCP and Colab drivers of 2025-26 (14.75
+    # before): github.com/hpcaitech/Open-Sora/issues/697, github.com/Zheng-Chong/CatVTON/issues/133
+    cuda_memory=int(14.56 * GiB),
 ))
 # --- Volta ------------------------------------------------------------------------------------
 # NVIDIA V100 datasheet (SXM2): FP32 15.7 TF, tensor 125 TF, 900 GB/s, NVLink 300 GB/s.
@@ -127,6 +135,8 @@ register(GpuSpec(
     900 * GB_S, "nvlink2", 300 * GB_S,
     aliases=("V100", "V100-16GB", "Tesla V100-SXM2-16GB"),
     source="NVIDIA V100 datasheet, https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf",
+    # torch's total in its OOM messages: 15.78 GiB: github.com/kchengiva/Shift-GCN/issues/34
+    cuda_memory=int(15.78 * GiB),
 ))
 register(GpuSpec(
     "V100-32GB", 32510 * MiB, (7, 0),
@@ -134,6 +144,8 @@ register(GpuSpec(
     900 * GB_S, "nvlink2", 300 * GB_S,
     aliases=("V100-SXM2-32GB", "Tesla V100-SXM2-32GB", "V100S", "V100-PCIE-32GB"),
     source="NVIDIA V100 datasheet (SXM2 32GB), https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf",
+    # torch's total in its OOM messages: 31.74 GiB: github.com/haotian-liu/LLaVA/issues/812
+    cuda_memory=int(31.74 * GiB),
 ))
 # --- Ampere -----------------------------------------------------------------------------------
 # NVIDIA A10 datasheet: FP32 31.2, TF32 62.5, BF16/FP16 125 TF dense, 600 GB/s, PCIe Gen4.
@@ -144,6 +156,8 @@ register(GpuSpec(
     600 * GB_S, "pcie4", 64 * GB_S,
     aliases=("A10", "A10G-24GB"),
     source="NVIDIA A10 datasheet, https://www.nvidia.com/en-us/data-center/products/a10-gpu/",
+    # torch's total in its OOM messages: 21.98-21.99 GiB: github.com/zai-org/CogVLM/issues/236
+    cuda_memory=int(21.98 * GiB),
 ))
 # GeForce RTX 3090 (GA102 whitepaper, appendix): FP32 35.6; tensor FP16/BF16 with FP32
 # accumulate 71 TF dense (the 142 TF figure is FP16-accumulate); TF32 35.6; 936 GB/s.
@@ -154,6 +168,9 @@ register(GpuSpec(
     aliases=("RTX3090", "GeForce RTX 3090", "3090"),
     source="NVIDIA Ampere GA102 GPU architecture whitepaper, https://www.nvidia.com/content/"
            "PDF/nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf (appendix)",
+    # torch's total in its OOM messages: 23.69-23.70 GiB: github.com/ucwxb/GraphAvatar/issues/4,
+    # github.com/GaoLii/DSP/issues/10
+    cuda_memory=int(23.69 * GiB),
 ))
 # Laptop RTX 3080 Ti 16 GB (GA103, anchors sdpa_pythia410m_*, docs/anchors.md): ~ 2/3 of a
 # desktop 3080 Ti; NVIDIA publishes no tensor TFLOP/s for laptop parts, figures scale the GA102
@@ -175,6 +192,9 @@ register(GpuSpec(
     1555 * GB_S, "nvlink3", 600 * GB_S,
     aliases=("A100-SXM4-40GB", "A100-PCIE-40GB", "A100 40GB"),
     source="NVIDIA A100 datasheet, https://www.nvidia.com/en-us/data-center/a100/ (datasheet); nvidia-smi totals: https://github.com/modal-labs/modal-client/pull/2797",
+    # torch's total in its OOM messages: 39.39-39.59 GiB by driver:
+    # github.com/TianheWu/CoSeR/issues/10, github.com/raoyongming/DenseCLIP/issues/52
+    cuda_memory=int(39.39 * GiB),
 ))
 register(GpuSpec(
     "A100-80GB", 81920 * MiB, (8, 0),
@@ -182,6 +202,9 @@ register(GpuSpec(
     2039 * GB_S, "nvlink3", 600 * GB_S,
     aliases=("A100", "A100-SXM4-80GB", "A100 80GB PCIe", "A100-80GB-PCIe"),
     source="NVIDIA A100 datasheet, https://www.nvidia.com/en-us/data-center/a100/ (datasheet); nvidia-smi totals: https://github.com/modal-labs/modal-client/pull/2797",
+    # torch's total in its OOM messages: 79.14 GiB on 2025 drivers (79.35 in 2023-24):
+    # github.com/OSU-NLP-Group/TableLlama/issues/10, github.com/wbfwonderful/Vad-R1/issues/11
+    cuda_memory=int(79.14 * GiB),
 ))
 # --- Ada Lovelace -----------------------------------------------------------------------------
 # NVIDIA L4 datasheet: FP32 30.3, TF32 60, BF16/FP16 121 TF dense (242 sparse), 300 GB/s.
@@ -191,6 +214,9 @@ register(GpuSpec(
     300 * GB_S, "pcie4", 64 * GB_S,
     aliases=("L4-24GB",),
     source="NVIDIA L4 datasheet, https://www.nvidia.com/en-us/data-center/l4/; nvidia-smi totals: https://github.com/modal-labs/modal-client/pull/2797",
+    # torch's total in its OOM messages: 21.95-22.05 GiB in vLLM's CI logs (the card inferred from
+    # its size): github.com/vllm-project/vllm/pull/12626
+    cuda_memory=int(21.95 * GiB),
 ))
 # NVIDIA L40S datasheet: FP32 91.6, TF32 183, BF16/FP16 362 TF dense (733 sparse), 864 GB/s.
 register(GpuSpec(
@@ -199,6 +225,9 @@ register(GpuSpec(
     864 * GB_S, "pcie4", 64 * GB_S,
     aliases=("L40S-48GB",),
     source="NVIDIA L40S datasheet, https://www.nvidia.com/en-us/data-center/l40s/; nvidia-smi totals: https://github.com/modal-labs/modal-client/pull/2797",
+    # torch's total in its OOM messages: 44.39-44.42 GiB: github.com/stepfun-ai/Step-
+    # Video-T2V/issues/8
+    cuda_memory=int(44.39 * GiB),
 ))
 # GeForce RTX 4090 (Ada whitepaper, appendix): FP32 82.6; FP16/BF16 tensor with FP32
 # accumulate 165.2 TF dense; TF32 82.6; 1008 GB/s.
@@ -209,6 +238,9 @@ register(GpuSpec(
     aliases=("RTX4090", "GeForce RTX 4090", "4090"),
     source="NVIDIA Ada GPU architecture whitepaper, https://images.nvidia.com/aem-dam/"
            "Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf (appendix)",
+    # torch's total in its OOM messages: 23.61-23.68 GiB, 23.64 most often: github.com/ali-
+    # vilab/VGen/issues/104, github.com/tloen/llama-int8/issues/7
+    cuda_memory=int(23.61 * GiB),
 ))
 # --- Hopper -----------------------------------------------------------------------------------
 # NVIDIA H100 datasheet, SXM5: FP32 67, TF32 494.7, BF16/FP16 989.4 TF dense, 3.35 TB/s,
@@ -220,6 +252,9 @@ register(GpuSpec(
     aliases=("H100", "H100-SXM", "H100-SXM5-80GB", "H100 80GB HBM3", "H100-SXM-80GB"),
     source="NVIDIA H100 datasheet (SXM5), https://www.nvidia.com/en-us/data-center/h100/"
            "; nvidia-smi totals: https://github.com/modal-labs/modal-client/pull/2797",
+    # torch's total in its OOM messages: 79.11-79.21 GiB: github.com/vllm-project/vllm/issues/27508,
+    # github.com/nvidia-cosmos/cosmos-transfer2.5/issues/113
+    cuda_memory=int(79.11 * GiB),
 ))
 register(GpuSpec(
     "H100-PCIe-80GB", 81559 * MiB, (9, 0),
@@ -235,6 +270,9 @@ register(GpuSpec(
     4800 * GB_S, "nvlink4", 900 * GB_S,
     aliases=("H200-141GB", "H200-SXM", "H200 SXM"),
     source="NVIDIA H200 datasheet, https://www.nvidia.com/en-us/data-center/h200/",
+    # torch's total in its OOM messages: 139.72-139.81 GiB; bench/results/gpu's H200 measured 139.80
+    # GiB (torch 2.11, driver 580)
+    cuda_memory=int(139.72 * GiB),
 ))
 # --- Hopper, export variant -------------------------------------------------------------------
 # NVIDIA publishes no H20 datasheet (github.com/sunkx109/GPUs-Specs/issues/2); the figures are
@@ -248,6 +286,9 @@ register(GpuSpec(
     source="no public datasheet (https://github.com/sunkx109/GPUs-Specs/issues/2): press figures; "
            "bf16 GEMM 142 TF measured in https://github.com/zzc0721/torch-performance-test-data/"
            "issues/77; total: nvidia-smi 'NVIDIA H20, 97871 MiB' in public run logs",
+    # torch's total in its OOM messages: 95.00 GiB: github.com/modelscope/DiffSynth-
+    # Studio/issues/1238
+    cuda_memory=int(95.0 * GiB),
 ))
 # --- Blackwell (data center) ------------------------------------------------------------------
 # Per-GPU dense figures: HGX B200 at 1000 W and GB200 at 1200 W (glennklockwood.com tables of
@@ -262,6 +303,8 @@ register(GpuSpec(
     source="https://glennklockwood.com/garden/processors/B200 (HGX B200 table, 1000 W); "
            "https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200 specs); "
            "https://github.com/pytorch/ao/pull/4002 (bandwidth); total from nvidia-smi",
+    # torch's total in its OOM messages: 178.35-178.36 GiB on 8 x B200 (repository logs)
+    cuda_memory=int(178.35 * GiB),
 ))
 register(GpuSpec(
     "GB200", 189471 * MiB, (10, 0),
@@ -304,6 +347,8 @@ register(GpuSpec(
     source="https://images.nvidia.com/aem-dam/Solutions/geforce/blackwell/nvidia-rtx-blackwell-"
            "gpu-architecture.pdf (appendix A, RTX 5090); total: nvidia-smi '32607MiB' in "
            "https://github.com/noonghunna/club-3090/issues/617",
+    # torch's total in its OOM messages: 31.36-31.37 GiB: github.com/Wan-Video/Wan2.1/issues/465
+    cuda_memory=int(31.36 * GiB),
 ))
 # RTX PRO 6000 Blackwell (Workstation and Server Edition, 600 W; the 300 W Max-Q is slower):
 # datasheet FP32 125 TF and FP4 4 PF with sparsity; NVIDIA gives no dense bf16 figure. Assumed:
@@ -318,6 +363,8 @@ register(GpuSpec(
     source="https://www.nvidia.com/en-us/products/workstations/professional-desktop-gpus/"
            "rtx-pro-6000/ (specs: FP32, FP4 sparse; dense bf16 derived, see comment); total: "
            "nvidia-smi 'NVIDIA RTX PRO 6000 Blackwell Workstation Edition, 97887 MiB'",
+    # torch's total in its OOM messages: 94.97 GiB: github.com/antirez/ds4/issues/431
+    cuda_memory=int(94.97 * GiB),
 ))
 # --- AMD Instinct (ROCm: torch's cuda device; compute capability = gfx major.minor) -----------
 # MI300X (gfx942): 304 CUs at 2.1 GHz: BF16/FP16 1307.4, TF32 653.7, FP32 matrix 163.4 TF dense;

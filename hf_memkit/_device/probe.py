@@ -66,6 +66,9 @@ class DeviceInfo:
         "help": "Bytes other processes held on the device when probed (NVML's process list; "
                 "None where NVML does not list them, e.g. MIG without root): tenants the "
                 "budget leaves their memory to."})
+    cuda_memory: int | None = field(default=None, metadata={
+        "help": "Bytes CUDA hands to a process (torch's total_memory, cudaMemGetInfo's total): "
+                "total_memory less what the driver reserves; None where not known."})
     vendor: str | None = field(default=None, metadata={
         "help": "'nvidia' (CUDA), 'amd' (ROCm: kind 'cuda', HIP underneath), 'apple' (MPS); "
                 "None on CPU or when unknown."})
@@ -126,6 +129,7 @@ def _from_spec(spec: GpuSpec, **extra: Any) -> DeviceInfo:
         interconnect=spec.interconnect,
         interconnect_bandwidth=spec.interconnect_bandwidth,
         vendor=spec.vendor,
+        cuda_memory=spec.cuda_memory,
     )
     fields.update(extra)
     return DeviceInfo(**fields)
@@ -328,6 +332,7 @@ def _probe_cuda(index: int, count: int) -> DeviceInfo:
         interconnect=spec.interconnect if spec else None,
         interconnect_bandwidth=spec.interconnect_bandwidth if spec else None,
         driver_version=nvml.driver if nvml else None,
+        cuda_memory=int(props.total_memory),  # totalGlobalMem: what CUDA hands out
         vendor="amd" if rocm else "nvidia",
     )
 

@@ -175,11 +175,12 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,
             The target's CUDA, e.g. `"12.8"`; default the installed torch's CUDA, else the
             default torch wheel's (13.0). It decides eager or lazy module loading
             (`CUDA_MODULE_LOADING` is honoured) and so the CUDA context.
-        headroom (`float`, *optional*, defaults to 0.05):
-            The fraction of device memory kept free, in [0, 1), as `plan_training` takes it:
-            the budget `fits` is judged against is the device's total x (1 - headroom).
+        headroom (`float`, *optional*, defaults to 0):
+            The fraction of device memory kept free for other tenants, in [0, 1), as
+            `plan_training` takes it: the budget the verdict is judged against is what CUDA
+            hands out (NVML's total less the driver's reserve) x (1 - headroom).
         max_memory (`int` or `str`, *optional*):
-            The budget in bytes or as `"20GiB"`; overrides the device's total x (1 - headroom)
+            The budget in bytes or as `"20GiB"`; overrides the device's (1 - headroom)
             (a `headroom` given beside it is ignored, with a warning).
         trainer (`str`, *optional*):
             `"trainer"` (`transformers.Trainer`), `"sft"` (TRL's `SFTTrainer`), `"dpo"`
@@ -204,7 +205,8 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,
     Returns:
         `MemoryEstimate`: the step's predicted memory in bytes (`peak_allocated`,
         `device_used`, `required`, `breakdown`, the margin) with the `budget` it is judged
-        against and how that was derived (`budget_basis`); `fits` gives the verdict.
+        against and how that was derived (`budget_basis`); `verdict` gives it in a word
+        (`"fits"`, `"tight"`, `"does not fit"`), `fits` as a bool (True for `tight` too).
 
     Raises:
         ConfigError: Every problem of the inputs at once: `seq_len` missing or not a positive

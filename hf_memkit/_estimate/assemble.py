@@ -19,6 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from .._cuda.allocator import AllocatorConfig
 from .._cuda.runtime import CudaRuntime, cuda_runtime
 from .._cuda.target import CudaTarget, this_torch_cudnn
 from .._device.precision import precision_issues
@@ -200,7 +201,8 @@ class _Peak:
 
 def _peak(step: Step, rollout: dict[str, RolloutPhase], rank: _Rank, dev: DeviceInfo,
           runtime: CudaRuntime | None, *, spec: ModelSpec, setup: TrainingSetup, stage: str,
-          fit_budget: int | None, emulated: bool) -> _Peak:
+          fit_budget: int | None, emulated: bool,
+          allocator: AllocatorConfig | None = None) -> _Peak:
     """The largest phase (a rollout phase included), its breakdown, and the device terms of
     its allocation stream (``device.device_terms``)."""
     step.phases.update({k: v.total for k, v in rollout.items()})
@@ -211,7 +213,7 @@ def _peak(step: Step, rollout: dict[str, RolloutPhase], rank: _Rank, dev: Device
                          setup.parallel.total, ex=ex, spec=spec, stage=ex_stage,
                          micro_steps=min(setup.grad_accum, 2) if ex_stage == "train" else 1,
                          model_states=rank.rs.model_states, weights=rank.rs.weights,
-                         fit_budget=fit_budget, emulated=emulated)
+                         fit_budget=fit_budget, emulated=emulated, allocator=allocator)
     return _Peak(phase, parts, terms, step.phases)
 
 
@@ -219,7 +221,8 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
                  stage: str = "train", target_len: int | None = None, padded: bool = False,
                  cache: TraceCache | None = None,
                  probe: bool = False, cuda_version: str | None = None,
-                 fit_budget: int | None = None, seq_name: str = "seq_len") -> MemoryEstimate:
+                 fit_budget: int | None = None, seq_name: str = "seq_len",
+                 allocator: AllocatorConfig | None = None) -> MemoryEstimate:
     """``estimate_memory`` for an already resolved model and setup (the planner's entry).
 
     Args:
@@ -232,6 +235,8 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
         fit_budget: the budget the planner judges by, so the smallest-capacity search runs
             only where the verdict depends on it (``device.device_terms``).
         seq_name: the argument ``seq_len`` came from (``max_length``), named by its errors.
+        allocator: the caching allocator's options to replay with (default: the
+            environment's ``PYTORCH_CUDA_ALLOC_CONF``).
 
     Returns:
         The ``MemoryEstimate`` of one rank's step.
@@ -254,7 +259,8 @@ def estimate_for(spec: ModelSpec, setup: TrainingSetup, dev: DeviceInfo, *, seq_
                        cache=cache) if stage == "train" else {}
     notes += setup.trainer_kind.rollout_notes(setup, rollout)
     peak = _peak(step, rollout, rank, dev, runtime, spec=trace_spec, setup=setup, stage=stage,
-                 fit_budget=fit_budget, emulated=emulation_acts(rank.spec, setup, ex))
+                 fit_budget=fit_budget, emulated=emulation_acts(rank.spec, setup, ex),
+                 allocator=allocator)
     notes += peak.terms.notes + _kernel_note(ex, target, cudnn)
     return _result(rank, setup, dev, peak, ex, runtime, notes, seq_len=seq_len, stage=stage)
 

@@ -1,8 +1,8 @@
 """The memory a setup may use on a device: one rule for ``estimate_memory`` and the planner.
 
-docs/fitting.md, the budget: budget = ``max_memory`` if given; else ``total_memory x (1 -
-headroom)``, and no more than ``free_memory + own_memory`` (what is free plus what this process
-already holds there) when the device is the one this process runs on; on CUDA, no more than
+docs/fitting.md, the budget: budget = ``max_memory`` if given; else what CUDA hands out
+(``cuda_capacity``: NVML's total less the driver's reserve) ``x (1 - headroom)``, and no more
+than ``free_memory + own_memory`` (what is free plus what this process already holds there) when the device is the one this process runs on; on CUDA, no more than
 ``per_process_memory_fraction`` of the device (``allocator_limit``).
 What must fit is ``MemoryEstimate.upper``: what the step needs (``required``: the caching
 allocator frees its cached blocks and retries before an OOM) plus the margin of its uncertain
@@ -16,15 +16,40 @@ from typing import Any, NamedTuple
 from .._cuda.allocator import AllocatorConfig
 from .._device.probe import DeviceInfo
 from .._errors import HfMemkitError, quoted
-from .._units import format_bytes, parse_bytes
+from .._units import GiB, format_bytes, parse_bytes
 
-# The fraction of device memory kept for other tenants of the GPU (a desktop session's
-# display server and browser take 0.3-1.5 GiB of a consumer card; a monitoring agent or a
-# second job on a shared card), and nothing else: the estimate's own uncertainty is in its
-# margin (``MemoryEstimate.margin``, 2 sigma of each term), so headroom is not a second safety
-# factor. 5% keeps 1.2 GiB of a 24 GiB card and 4 GiB of an 80 GiB one. On this machine's own
-# device the budget is also capped at the free memory, which other tenants already left.
-DEFAULT_HEADROOM = 0.05
+# The fraction of device memory kept for other tenants of the GPU, and nothing else: the
+# estimate's own uncertainty is in its margin (``MemoryEstimate.margin``), and what the driver
+# keeps is taken off before (``cuda_capacity``). On this machine's device the budget is capped at
+# what is free now, which other tenants already left, so they cost nothing twice; a catalog card
+# is planned as a training node's is run, headless (the published runs at 96-98% of a 24 GB card
+# were), so the default keeps nothing. A card that drives a display gives its desktop 0.3-1.5
+# GiB: plan on that machine (its free memory is read), or pass ``headroom``.
+DEFAULT_HEADROOM = 0.0
+# What the driver and firmware keep of NVML's total where the catalog has no measurement of the
+# card (``GpuSpec.cuda_memory``: torch's "total capacity" in published OOM messages). Measured
+# reserves on 16 catalog cards run from ~0 (V100) through 210-460 MiB (T4, A10G, L4, RTX 3090 /
+# 4090) to 450-880 MiB (80 GB and larger cards; A100-80GB's 881 MiB is the largest) and vary by up
+# to ~460 MiB with the driver: an unmeasured card is given the largest, rounded up, so that it is
+# never planned in memory CUDA does not hand out.
+DRIVER_RESERVE = GiB
+
+
+def cuda_capacity(dev: DeviceInfo) -> tuple[int, str]:
+    """(bytes CUDA hands to a process on ``dev``, how that is known): torch's total_memory
+    (``DeviceInfo.cuda_memory``: probed, or the catalog's published figure), else NVML's total
+    less ``DRIVER_RESERVE``. Off NVIDIA's CUDA, the device's total."""
+    if dev.kind != "cuda":
+        return dev.total_memory, format_bytes(dev.total_memory)
+    if dev.cuda_memory:
+        shown = dev.cuda_memory < dev.total_memory
+        return dev.cuda_memory, (f"{format_bytes(dev.cuda_memory)} CUDA hands out" + (
+            f" of {format_bytes(dev.total_memory)}" if shown else ""))
+    if dev.vendor == "amd":
+        return dev.total_memory, format_bytes(dev.total_memory)
+    n = max(1, dev.total_memory - DRIVER_RESERVE)
+    return n, (f"{format_bytes(n)}: {format_bytes(dev.total_memory)} less the driver's reserve "
+               f"({format_bytes(DRIVER_RESERVE)} assumed: not measured on this card)")
 
 
 class Budget(NamedTuple):
@@ -49,8 +74,8 @@ def headroom_problem(headroom: Any) -> str | None:
     """The sentence that says why ``headroom`` is not usable, or None."""
     if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) \
             or not 0 <= headroom < 1:
-        return (f"headroom must be in [0, 1): the fraction of device memory kept free (0.05 "
-                f"keeps 5% free for other tenants of the GPU); got {headroom!r}")
+        return (f"headroom must be in [0, 1): the fraction of device memory kept free for "
+                f"other tenants of the GPU (0.05 keeps 5%; default 0); got {headroom!r}")
     return None
 
 
@@ -77,9 +102,10 @@ def memory_budget(dev: DeviceInfo, *, headroom: float = DEFAULT_HEADROOM,
     bounds the budget too)."""
     if max_memory is not None:
         return allocator_limit(dev, Budget(parse_bytes(max_memory), "max_memory"))
-    total = dev.total_memory * (1 - headroom)
-    budget = Budget(int(total), f"{1 - headroom:.0%} of {format_bytes(dev.total_memory)} "
-                                f"(headroom {headroom:g})")
+    capacity, basis = cuda_capacity(dev)
+    kept = (f"headroom {headroom:g} for other tenants" if headroom else
+            "no other tenant assumed (a card that drives a display: pass headroom)")
+    budget = Budget(int(capacity * (1 - headroom)), f"{basis}; {kept}")
     usable = usable_now(dev) if this_machine else None
     if usable is not None and usable < budget.bytes:
         own = f" + {format_bytes(dev.own_memory)} this process holds" if dev.own_memory else ""
@@ -98,11 +124,12 @@ def allocator_limit(dev: DeviceInfo, budget: Budget) -> Budget:
     if dev.kind != "cuda":
         return budget
     conf = AllocatorConfig.from_env()
-    cap = conf.limit(dev.total_memory)
+    capacity = cuda_capacity(dev)[0]  # torch's fraction is of what CUDA hands out
+    cap = conf.limit(capacity)
     if cap is None or cap >= budget.bytes:
         return budget
     return Budget(cap, f"per_process_memory_fraction:{conf.memory_fraction:g} of "
-                       f"{format_bytes(dev.total_memory)} ({conf.source}), below "
+                       f"{format_bytes(capacity)} ({conf.source}), below "
                        f"{budget.basis}")
 
 

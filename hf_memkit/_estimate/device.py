@@ -22,6 +22,7 @@ from .._optimizers import OptimizerMemory
 from .._units import MiB, format_bytes
 from .activations import Excess
 from .allocation import full_depth_events, replay_step
+from .budget import cuda_capacity
 
 # CPU estimates: relative 1-sigma of the residuals of bench/estimator_cpu.py (26 real Trainer runs:
 # std 0.22%, worst 0.97%), rounded up to 0.5% for architectures the bench does not cover.
@@ -316,8 +317,9 @@ def _capacity(dev: DeviceInfo, conf: AllocatorConfig, outside: int) -> int | Non
     """What the allocator may reserve for the replayed step: the device's memory less what lies
     outside the replay, and no more than ``per_process_memory_fraction`` of the device (torch's
     limit on the allocator's own reserve, less the allocated bytes the replay leaves out)."""
-    capacity = max(1, dev.total_memory - outside) if dev.total_memory else None
-    limit = conf.limit(dev.total_memory)
+    total = cuda_capacity(dev)[0]  # what CUDA hands out: the driver's reserve is not there
+    capacity = max(1, total - outside) if total else None
+    limit = conf.limit(total)
     if limit is not None:
         capacity = max(1, min(capacity or limit, limit - CALIBRATION.alloc_const))
     return capacity
@@ -376,13 +378,15 @@ def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: Optimize
                  runtime: CudaRuntime | None, ranks: int, *, ex: Excess, spec: ModelSpec,
                  stage: str, micro_steps: int = 1, model_states: int = 0,
                  weights: int = 0, fit_budget: int | None = None,
-                 emulated: bool = True) -> DeviceTerms:
+                 emulated: bool = True, allocator: AllocatorConfig | None = None) -> DeviceTerms:
     """Adds fragmentation and context to ``parts`` (and the workspaces to temporaries), the
     smallest device memory the step runs in (``required``) and the band. The margin: a user
     calibration's residuals are of device_used as a whole; otherwise each term's own sigma,
     combined as independent errors (model states are exact).
 
-    ``fit_budget`` (the planner's): the smallest capacity is searched only where the verdict
+    ``allocator``: the allocator options to replay with (default: the environment's; the
+    planner's expandable-segments rung passes its own). ``fit_budget`` (the planner's): the
+    smallest capacity is searched only where the verdict
     against it depends on it. A step that fits with what the device shows needs no cache freed
     (``required`` = ``device_used``); one that misses it even with no fragmentation needs at
     least its live bytes and context (``required`` says that much); between the two, one
@@ -401,7 +405,7 @@ def device_terms(dev: DeviceInfo, peak: int, parts: dict[str, int], om: Optimize
     context = cal.context if cal is not None else runtime.context
     resident = om.paged_resident  # paged state: only the pages its step needs at once
     outside = context + nccl + resident + CALIBRATION.alloc_const  # not in the replay
-    conf = AllocatorConfig.from_env()
+    conf = allocator or AllocatorConfig.from_env()
     fit, pool, rounding = _fit(ex, spec, om, workspaces, stage, micro_steps,
                                _capacity(dev, conf, outside), conf, peak + sum(workspaces))
     traced_temporaries = parts["temporaries"]

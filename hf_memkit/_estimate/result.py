@@ -9,6 +9,11 @@ from .._device.probe import DeviceInfo
 from .._setup.setup import TrainingSetup
 from .._units import format_bytes
 
+# The verdict words (``MemoryEstimate.verdict``): the same in explain(), the tables, repr, JSON
+# and the CLI's exit status (docs/fitting.md).
+FITS, TIGHT, DOES_NOT_FIT, UNKNOWN = "fits", "tight", "does not fit", "unknown"
+VERDICTS = (FITS, TIGHT, DOES_NOT_FIT, UNKNOWN)
+
 
 @dataclass
 class MemoryEstimate:
@@ -60,10 +65,11 @@ class MemoryEstimate:
         "help": "The target's CUDA version the estimate assumed (None off CUDA)."})
     budget: int | None = field(default=None, metadata={
         "help": "Bytes the setup may use on the device, as plan_training computes it: "
-                "max_memory if given, else total_memory x (1 - headroom), no more than the "
+                "max_memory if given, else what CUDA hands out (NVML's total less the driver's "
+                "reserve) x (1 - headroom), no more than the "
                 "free memory of this machine's device. None: no budget was given (see fits)."})
     budget_basis: str = field(default="", metadata={
-        "help": "How the budget was derived, e.g. '95% of 24.00 GiB (headroom 0.05)'."})
+        "help": "How the budget was derived, e.g. '23.65 GiB CUDA hands out of 23.99 GiB; no other tenant assumed'."})
     refusals: list[str] = field(default_factory=list, metadata={
         "help": "Why the run cannot start whatever its memory (a colocated vLLM's start-up "
                 "rules); fits is False when there are any."})
@@ -77,15 +83,34 @@ class MemoryEstimate:
             self.required = self.device_used
 
     @property
-    def fits(self) -> bool | None:
-        """Whether ``upper`` (required + margin) is within ``budget``: the planner's rule. None
-        when there is no budget to judge by, or when this is only a lower bound
-        (``lower_bound``) that is within it."""
+    def verdict(self) -> str:
+        """``"fits"``, ``"tight"``, ``"does not fit"`` or ``"unknown"`` (docs/fitting.md, the
+        verdict): ``fits`` when ``upper`` (``required`` plus the margin) is within ``budget``;
+        ``tight`` when ``required`` is and the margin is not (the centre fits: runs like it ran
+        at 96-98% of their card, but fragmentation may push it over); ``does not fit`` when
+        ``required`` is over the budget, or the run cannot start (``refusals``); ``unknown``
+        without a budget, or for a lower bound within it."""
         if self.refusals:
-            return False
-        if self.budget is None or (self.lower_bound and self.upper <= self.budget):
-            return None
-        return self.upper <= self.budget
+            return DOES_NOT_FIT
+        if self.budget is None:
+            return UNKNOWN
+        if self.required > self.budget:
+            return DOES_NOT_FIT
+        if self.lower_bound or (self.required_at_least and self.upper > self.budget):
+            return UNKNOWN  # the step needs at least this much: the band's side is not known
+        return FITS if self.upper <= self.budget else TIGHT
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the step is expected to run in ``budget``: True for the verdicts ``fits``
+        and ``tight`` (the centre fits), False for ``does not fit``, None for ``unknown``.
+        ``verdict`` tells ``fits`` from ``tight``; the planner prefers ``fits``."""
+        return {FITS: True, TIGHT: True, DOES_NOT_FIT: False}.get(self.verdict)
+
+    @property
+    def to_spare(self) -> int | None:
+        """Bytes between ``upper`` and the budget (negative: over it); None without a budget."""
+        return None if self.budget is None else self.budget - self.upper
 
     @property
     def needs_at_least(self) -> bool:
@@ -120,7 +145,7 @@ class MemoryEstimate:
             "required": self.required, "required_at_least": self.required_at_least,
             "margin_terms": dict(self.margin_terms),
             "upper": self.upper, "budget": self.budget, "budget_basis": self.budget_basis,
-            "fits": self.fits, "phase_peaks": dict(self.phase_peaks),
+            "fits": self.fits, "verdict": self.verdict, "phase_peaks": dict(self.phase_peaks),
             "refusals": list(self.refusals),
         }
 

@@ -6,7 +6,7 @@ Imports the ground floor and ``_model``.
 """
 
 # isort: off
-from . import full, lora, lora_8bit, qlora, qlora_fsdp  # noqa: F401  (registers, in ladder order)
+from . import full, lora, qlora, qlora_fsdp, lora_8bit  # noqa: F401  (registers, in ladder order)
 # isort: on
 from .base import LORA_DEFAULTS, METHODS, Method, ladder, method_choices, register
 

@@ -103,6 +103,12 @@ def _finish(s: Search, cands: list[Candidate], chosen: Candidate) -> Plan:
         notes.append(f"padding-free: each micro-batch's rows flattened into one row (the "
                      f"largest holds {tokens} tokens); TRL takes the rows as they are "
                      f"(max_length=None): truncate them to {req.seq_len} tokens beforehand")
+    if chosen.allocator:
+        notes.append(f"PYTORCH_CUDA_ALLOC_CONF={chosen.allocator}: without it this setup misses "
+                     "the budget by the caching allocator's fragmentation; with it the allocator "
+                     "maps freed pages into one growing segment (torch's CUDA memory notes). Set "
+                     "it before the run's first CUDA allocation (plan.env; the launch lines "
+                     "carry it)")
     if chosen.micro_batch < req.per_rank:
         notes.append(f"micro-batch {chosen.micro_batch} x {chosen.grad_accum} accumulation steps "
                      f"x {req.data_parallel} data-parallel rank(s) = {req.target_batch_size}")
@@ -116,7 +122,7 @@ def _finish(s: Search, cands: list[Candidate], chosen: Candidate) -> Plan:
                 training_args_kwargs=ta, model_kwargs=model_kwargs(chosen, attn, quant, req.dev),
                 peft_config=peft_cfg, accelerator_kwargs=accelerator_kwargs(chosen, ta),
                 candidates=cands, notes=notes, num_nodes=req.nodes, parallel=parallel,
-                _ladder=ladder)
+                budget_basis=req.budget_of().basis, _ladder=ladder)
 
 
 def _request(model: Any, *, seq_len: int | None = None, target_batch_size: int,
@@ -153,8 +159,11 @@ def plan_training(model: Any, *, seq_len: int | None = None, target_batch_size: 
     """Choose the fastest training setup whose predicted memory fits the device's budget.
 
     A setup fits when its estimate's `upper` (`required` plus the margin) is within the budget
-    (docs/fitting.md). With `method="auto"` full fine-tuning wins whenever some full setup fits
-    (LoRA changes what is trained, so it is a fallback, never a speed trick). `num_gpus` ranks
+    (docs/fitting.md); where none does, the first that fits at the centre is chosen and the
+    plan is `tight` (`Plan.verdict`). With `method="auto"` full fine-tuning wins whenever some
+    full setup fits without offloading parameters or optimizer state (LoRA changes what is
+    trained, so it is a fallback, never a speed trick); offload comes after the LoRA family
+    unless `host_memory` is given. `num_gpus` ranks
     over `num_nodes` nodes: DDP when a replica fits, else FSDP2 (`engine="fsdp"`, the default)
     or DeepSpeed ZeRO (`engine="deepspeed"`) sharding, and CPU offload only as the last rung;
     `engine="ddp"` never shards. The effective batch (micro-batch x accumulation x data-parallel
@@ -177,8 +186,11 @@ def plan_training(model: Any, *, seq_len: int | None = None, target_batch_size: 
             Ranks over all nodes; defaults to 1.
         method (`str`, *optional*, defaults to `"auto"`):
             `"auto"`, `"full"`, `"lora"` or `"qlora"`.
-        headroom (`float`, *optional*, defaults to 0.05):
-            The fraction of device memory kept free for other users of the GPU, in [0, 1).
+        headroom (`float`, *optional*, defaults to 0):
+            The fraction of device memory kept free for other tenants of the GPU (a desktop,
+            a second job), in [0, 1). The budget starts from what CUDA hands out (NVML's
+            total less the driver's reserve); a catalog card is planned headless, and on this
+            machine's GPU its free memory already leaves other tenants theirs.
         max_memory (`int` or `str`, *optional*):
             Bytes or `"20GiB"`: replaces the device's budget entirely (headroom with it).
         task (`str`, *optional*):
@@ -190,8 +202,8 @@ def plan_training(model: Any, *, seq_len: int | None = None, target_batch_size: 
             replica does not fit.
         host_memory (`int` or `str`, *optional*):
             Bytes or `"512GiB"`, per node: bounds what offload may keep in CPU RAM. Planning
-            for this machine it defaults to its RAM; for a catalog GPU offload is only noted
-            with what it needs.
+            for this machine it defaults to its RAM; for a catalog GPU to what a typical host
+            holds (twice its GPUs' memory), and the plan notes what an offload setup needs.
         cuda_version (`str`, *optional*):
             The target's CUDA (as in `estimate_memory`); default the installed torch's.
         trainer (`str`, *optional*):

@@ -29,7 +29,7 @@ from .._trainers import TRAINER_KEY
 from .._units import is_positive_int
 from . import serialize as ser
 from .request import PlanRequest
-from .space import Candidate
+from .space import EXPANDABLE, Candidate
 
 REMAKE = "make it again with plan.to_json() or hf-memkit plan --json"
 SOURCE = f"the plan JSON ({REMAKE})"
@@ -131,6 +131,9 @@ def _candidates(items: list[Any], problems: list[str]) -> list[Candidate]:
         if c.get("method") not in methods:
             problems.append(f"{key}.method: expected one of {', '.join(methods)}, got "
                             f"{quoted(c.get('method'))}")
+        if c.get("allocator", "") not in ("", EXPANDABLE):  # it reaches the launch lines
+            problems.append(f"{key}.allocator: expected \"\" or {EXPANDABLE!r}, got "
+                            f"{quoted(c.get('allocator'))}")
         if not isinstance(c.get("chosen", False), bool):
             problems.append(f"{key}.chosen: expected true or false, got {quoted(c['chosen'])}")
         if len(problems) > before:

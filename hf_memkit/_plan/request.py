@@ -23,6 +23,7 @@ from .._engines.dims import read_dims
 from .._errors import ConfigError, HfMemkitError, did_you_mean, excerpt, quoted
 from .._estimate.budget import (
     DEFAULT_HEADROOM,
+    Budget,
     headroom_problem,
     max_memory_problem,
     memory_budget,
@@ -178,15 +179,32 @@ class PlanRequest:
         return divisors(self.per_rank)
 
     def budget(self) -> int:
-        # one rule for plans and estimates (_estimate.budget): max_memory, else total x
-        # (1 - headroom), bounded by free memory on this process's device
+        return self.budget_of().bytes
+
+    def budget_of(self) -> Budget:
+        """The budget and how it was derived: one rule for plans and estimates
+        (``_estimate.budget``)."""
         return memory_budget(self.dev, headroom=self.headroom, max_memory=self.max_memory,
-                             this_machine=self.probed).bytes
+                             this_machine=self.probed)
 
     def host_budget(self) -> int | None:
+        """Host RAM per node that offload may use: ``host_memory``; planning for this machine,
+        its RAM; for a catalog GPU, what a typical host of that card holds
+        (``typical_host_memory``)."""
         if self.host_memory is not None:
             return parse_bytes(self.host_memory)
-        return host_ram() if self.probed else None
+        if self.probed:
+            return host_ram()
+        return typical_host_memory(self.dev, self.ranks // self.nodes)
+
+    def host_basis(self) -> str:
+        """Where ``host_budget`` comes from, for a person."""
+        if self.host_memory is not None:
+            return "host_memory"
+        if self.probed:
+            return "this machine's RAM"
+        return (f"assumed for a typical host of {self.ranks // self.nodes} x {self.dev.name}: "
+                f"{HOST_PER_GPU_MEMORY:g} x its GPUs' memory; pass host_memory= for yours")
 
     # -- validation ---------------------------------------------------------------------------
     def problems(self) -> list[Problem]:
@@ -362,6 +380,18 @@ class PlanRequest:
                             f"{self.target_batch_size}; drop the accumulation pin (the plan "
                             f"derives it) or set it to {per_rank // mb}")]
         return []
+
+
+# Host RAM a typical training machine has per GPU, as a multiple of the GPU's memory: the sizing
+# rule system builders publish ("at least twice the total VRAM", Puget Systems' hardware
+# recommendations for ML/AI workstations); NVIDIA's DGX A100 has 1 TiB for 8 x 80 GB (1.6x), the
+# DGX H100 2 TiB for 8 x 80 GB (3.2x). A plan for a catalog GPU never asks offload for more.
+HOST_PER_GPU_MEMORY = 2.0
+
+
+def typical_host_memory(dev: Any, gpus_per_node: int) -> int:
+    """The host RAM per node assumed for a catalog GPU with no ``host_memory`` given."""
+    return int(HOST_PER_GPU_MEMORY * dev.total_memory * max(1, gpus_per_node))
 
 
 def host_ram() -> int | None:

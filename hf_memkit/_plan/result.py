@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +93,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     num_nodes: int = 1
     parallel: dict[str, Any] = field(default_factory=dict)  # engine, strategy, launch details
+    budget_basis: str = "the plan's budget"  # how the budget was derived, for a person
     # what each rung saved (_plan.rungs), or the search that works it out on first use
     _ladder: list[dict[str, Any]] | Callable[[], list[dict[str, Any]]] = field(
         default_factory=list, repr=False, compare=False)
@@ -100,7 +102,7 @@ class Plan:
         # the candidates' estimates are judged against the plan's budget (``MemoryEstimate.fits``)
         for c in self.candidates:
             if c.estimate is not None and c.estimate.budget is None:
-                c.estimate.budget, c.estimate.budget_basis = self.budget, "the plan's budget"
+                c.estimate.budget, c.estimate.budget_basis = self.budget, self.budget_basis
 
     @property
     def ladder(self) -> list[dict[str, Any]]:
@@ -115,6 +117,13 @@ class Plan:
     def chosen(self) -> Candidate:
         """`Candidate`: the chosen setup."""
         return next(c for c in self.candidates if c.chosen)
+
+    @property
+    def verdict(self) -> str:
+        """`str`: the chosen setup's verdict, `"fits"` or `"tight"` (`MemoryEstimate.verdict`;
+        the planner takes a tight setup only when none fits with its margin)."""
+        est = self.chosen.estimate
+        return est.verdict if est is not None else ("fits" if self.chosen.fits else "tight")
 
     @property
     def estimate(self) -> MemoryEstimate | None:
@@ -211,22 +220,45 @@ class Plan:
                 "target machine (carry the plan there with plan.to_json() / Plan.from_json()), "
                 "or use the plain dict plan.training_args_kwargs") from exc
 
-    def _warn_if_override_does_not_fit(self, kwargs: dict[str, Any]) -> None:
+    def estimate_again(self, **overrides: Any) -> MemoryEstimate:
+        """The chosen setup estimated afresh by `estimate_memory` from the plan's own arguments
+        (with `overrides`) and environment (`env`), judged against the plan's budget: what a
+        user gets who passes them to `estimate_memory`. Without overrides its verdict is the
+        plan's.
+
+        Args:
+            **overrides:
+                Fields set over the plan's arguments.
+
+        Returns:
+            `MemoryEstimate`.
+        """
         from .._estimate import estimate_memory
 
-        fields = training_args_fields()
-        args = {k: v for k, v in kwargs.items() if k in fields and k != "output_dir"}
+        est = self.chosen.estimate
+        kind = est.setup.trainer_kind if est is not None else TRAINER
+        fields = set(training_args_fields()) | set(kind.fields)
+        args = {k: v for k, v in {**self.training_args_kwargs, **overrides}.items()
+                if k in fields and k != "output_dir"}
+        with _environment(self.env):  # what the run is launched with
+            return estimate_memory(self.model_name, args, seq_len=self.seq_len,
+                                   device=self.device,
+                                   num_gpus=self.num_gpus if self.num_gpus > 1 else None,
+                                   cuda_version=est.cuda_version if est is not None else None,
+                                   max_memory=self.budget,
+                                   trainer=None if kind is TRAINER else kind.name,
+                                   **ser.estimate_kwargs(self.model_kwargs, self.peft_config))
+
+    def _warn_if_override_does_not_fit(self, kwargs: dict[str, Any]) -> None:
         try:
-            est = estimate_memory(self.model_name, args, seq_len=self.seq_len, device=self.device,
-                                  num_gpus=self.num_gpus if self.num_gpus > 1 else None,
-                                  cuda_version=self.chosen.estimate.cuda_version,
-                                  **ser.estimate_kwargs(self.model_kwargs, self.peft_config))
+            est = self.estimate_again(**kwargs)
         except Exception as exc:  # an override the estimator rejects: say so, do not block
             warnings.warn(f"could not re-estimate the overridden plan: {exc}", stacklevel=3)
             return
-        if est.upper > self.budget:
+        if est.verdict != "fits":
             warnings.warn(
-                f"with these overrides the setup needs {format_bytes(est.required)} (+ margin "
+                f"with these overrides the setup is {est.verdict}: it needs "
+                f"{format_bytes(est.required)} (+ margin "
                 f"{format_bytes(est.upper - est.required)}), over the "
                 f"budget of {format_bytes(self.budget)} on {self.device.name}:\n{est.explain()}",
                 stacklevel=3)
@@ -293,7 +325,19 @@ class Plan:
                               engine=engine.name, config_file=engine.config_file)
         out["accelerate_config"] = ("accelerate launch --config_file accelerate_config.yaml "
                                     f"{script}  # plan.accelerate_config() written there")
-        return out
+        prefix = " ".join(f"{k}={v}" for k, v in self.env.items())
+        return {k: f"{prefix} {v}" if prefix else v for k, v in out.items()}
+
+    @property
+    def env(self) -> dict[str, str]:
+        """`dict[str, str]`: environment variables the run needs, set before its first CUDA
+        allocation (the launch lines carry them): `PYTORCH_CUDA_ALLOC_CONF` with
+        `expandable_segments:True` where the chosen setup fits only with it."""
+        opt = self.chosen.allocator
+        if not opt:
+            return {}
+        given = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        return {"PYTORCH_CUDA_ALLOC_CONF": ",".join(x for x in (given, opt) if x)}
 
     def accelerate_config(self) -> str:
         """The `accelerate launch --config_file` YAML of this plan, as `accelerate config`
@@ -377,7 +421,7 @@ class Plan:
             "device": self.device.to_dict(), "model_name": ser.model_ref_to_json(self.model_name),
             "seq_len": self.seq_len,
             "target_batch_size": self.target_batch_size, "num_gpus": self.num_gpus,
-            "method": self.method, "budget": self.budget,
+            "method": self.method, "budget": self.budget, "budget_basis": self.budget_basis,
             "training_args_kwargs": self.training_args_kwargs,
             "model_kwargs": ser.model_kwargs_to_json(self.model_kwargs),
             "peft_config": ser.peft_to_dict(self.peft_config),
@@ -518,3 +562,18 @@ def _defaults_of(cls: type, args: Any) -> dict[str, Any]:
     out.update({f.name: getattr(fresh, f.name) for f in dataclasses.fields(cls)
                 if f.init and hasattr(fresh, f.name)} if fresh is not None else {})
     return out
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """``env`` set in ``os.environ`` for the block, as it was after it."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

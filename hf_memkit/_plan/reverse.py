@@ -60,8 +60,8 @@ def max_batch_size(model: Any, args: Any = None, *, seq_len: int, device: Any = 
             A `DeviceInfo`, a catalog name or `"cpu"`; `None` for this machine's device.
         max_memory (`int` or `str`, *optional*):
             Bytes or `"20GiB"`: replaces the device's budget, and `headroom` with it.
-        headroom (`float`, *optional*, defaults to 0.05):
-            The fraction of device memory kept free, in [0, 1).
+        headroom (`float`, *optional*, defaults to 0):
+            The fraction of device memory kept free for other tenants, in [0, 1).
         limit (`int`, *optional*, defaults to 4096):
             The largest size tried.
         **estimate_kwargs:
@@ -118,7 +118,7 @@ def max_seq_len(model: Any, args: Any = None, *, device: Any = None,
             A `DeviceInfo`, a catalog name or `"cpu"`; `None` for this machine's device.
         max_memory (`int` or `str`, *optional*):
             As in `max_batch_size`: bytes or `"20GiB"`, replacing the device's budget.
-        headroom (`float`, *optional*, defaults to 0.05):
+        headroom (`float`, *optional*, defaults to 0):
             As in `max_batch_size`: the fraction of device memory kept free, in [0, 1).
         limit (`int`, *optional*, defaults to 1048576):
             The longest length tried; at least `multiple_of`.

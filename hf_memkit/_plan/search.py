@@ -12,10 +12,12 @@ after every mixed-precision setup, so checkpointing and checkpoint offload come 
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import NoReturn
 
+from .._cuda.allocator import AllocatorConfig
 from .._errors import HfMemkitError
 from .._estimate import MemoryEstimate, TraceCache, estimate_for
 from .._estimate.phases import states_for, trained_spec
@@ -27,9 +29,19 @@ from .._units import format_bytes
 from .cost import Shape, cost
 from .emit import ArgsContext, training_args
 from .request import PlanRequest
-from .space import Candidate, SpecBook, rung_of, user_optimizer
+from .space import EXPANDABLE, Candidate, SpecBook, rung_of, user_optimizer
 
 PURE_BF16 = "pure-bf16"
+
+
+def allocator_of(c: Candidate) -> AllocatorConfig | None:
+    """The allocator options ``c`` is estimated with: the environment's, plus the planner's
+    rung (``Candidate.allocator``) where it has one; None: the environment's as they are."""
+    if not c.allocator:
+        return None
+    conf = AllocatorConfig.from_env()
+    return dataclasses.replace(conf, expandable_segments=True, source=(
+        f"{conf.source} + " if conf.source else "") + f"the plan's {c.allocator}")
 
 
 def _at_forward(rs) -> int:
@@ -85,12 +97,14 @@ class Search:
                  setup: TrainingSetup | None = None, probe: bool = False,
                  judge: bool = True) -> MemoryEstimate:
         """``judge``: the smallest capacity is searched only where the verdict against the
-        budget depends on it; ``judge=False`` always (what ``estimate_memory`` reports)."""
+        budget depends on it; ``judge=False`` always (what ``estimate_memory`` reports). With
+        the allocator options ``c`` is planned with (``Candidate.allocator``)."""
         spec = self.book.get(c.method, c.precision)[0]
         return estimate_for(spec, setup or self.setup_of(c), self.req.dev,
                             seq_len=self.req.seq_len, stage=stage, cache=self.cache, probe=probe,
                             cuda_version=self.req.cuda_version,
-                            fit_budget=self.budget if judge else None)
+                            fit_budget=self.budget if judge else None,
+                            allocator=allocator_of(c))
 
     # -- pricing and the cheap bound ----------------------------------------------------------
     def _states_setup(self, c: Candidate) -> TrainingSetup:
@@ -152,10 +166,41 @@ class Search:
         first = g not in self._tried
         self._tried.add(g)
         if first and self._ample(c):
-            return self._record(c, self.estimate(c, setup=setup))
+            return self._record(c, self.estimate(c, setup=setup)) or self._expandable(c, setup)
         if self._forward_misses(c):
             return False
-        return self._record(c, self.estimate(c, setup=setup))
+        return self._record(c, self.estimate(c, setup=setup)) or self._expandable(c, setup)
+
+    def _expandable(self, c: Candidate, setup: TrainingSetup) -> bool:
+        """The expandable-segments rung, tried before any slower setup: where ``c`` misses by
+        less than what the caching allocator adds over its live bytes (fragmentation, and the
+        margin's allocator term), ``c`` again with ``expandable_segments:True``; it fits or
+        not on that exact estimate, and the plan then sets the variable."""
+        est = c.estimate
+        if est is None or est.lower_bound or est.refusals or self.req.dev.kind != "cuda" \
+                or c.allocator or self.host_short(c):
+            return False
+        conf = AllocatorConfig.from_env()
+        given = " ".join(os.environ.get(v, "") for v in ("PYTORCH_CUDA_ALLOC_CONF",
+                                                         "PYTORCH_ALLOC_CONF"))
+        if "expandable_segments" in given or conf.backend != "native":
+            return False  # the user chose it either way (or another allocator)
+        by_allocator = est.breakdown.get("fragmentation", 0) + est.margin_terms.get("allocator", 0)
+        if est.upper - self.budget >= by_allocator:
+            return False
+        before = est
+        c.allocator = EXPANDABLE
+        if self._record(c, self.estimate(c, setup=setup)):
+            return True
+        c.allocator = ""
+        self._record(c, before)
+        return False
+
+    def host_short(self, c: Candidate) -> bool:
+        """Whether ``c``'s offload needs more host RAM per node than the plan may use."""
+        est = c.estimate
+        host = est.host_offloaded * (self.req.ranks // self.req.nodes) if est else 0
+        return self.host_budget is not None and host > self.host_budget
 
     def _ample(self, c: Candidate) -> bool:
         """Whether ``c`` looks likely to fit: its group's smallest split scaled to ``c``'s
@@ -218,11 +263,13 @@ class Search:
         host = est.host_offloaded * (self.req.ranks // self.req.nodes)
         # what must fit is what the step needs (the allocator freeing its cache before an
         # OOM) plus the margin of its uncertain terms
-        c.fits = est.upper <= self.budget and (self.host_budget is None
-                                               or host <= self.host_budget)
+        c.fits = est.upper <= self.budget and not est.refusals and (
+            self.host_budget is None or host <= self.host_budget)
         if c.fits and id(c) in self._pool and not est.lower_bound:
             self._fastest_fit = min(_order(c), self._fastest_fit or _order(c))
-        if not c.fits:
+        if not c.fits and est.refusals:
+            c.reason = "cannot start: " + "; ".join(est.refusals)
+        elif not c.fits:
             at_least = "at least " if est.needs_at_least else ""
             c.reason = (f"needs {at_least}{format_bytes(est.required)} (+ margin "
                         f"{format_bytes(est.upper - est.required)}) > budget "
@@ -328,25 +375,95 @@ class Search:
                               or c.micro_batch < self._second[g].micro_batch):
             self._second[g] = c
 
+    def passes(self) -> list[tuple[Method, bool, int]]:
+        """(method, with the user's optimizer, engine tier) in the order the search tries them
+        (docs/fitting.md, methods, rungs and offload). Offloading parameters or optimizer state
+        (tier 1) is slow and needs host RAM the plan may not know: with ``method="auto"`` it
+        comes after every method's setups without it, unless ``host_memory`` was given; within
+        one method the user's optimizer comes before another one."""
+        offload_last = self.req.method == "auto" and self.req.host_memory is None
+        first = ((True, 0), (False, 0)) if offload_last else \
+            ((True, 0), (True, 1), (False, 0), (False, 1))
+        out = [(m, own, tier) for m in self.methods for own, tier in first]
+        if offload_last:
+            out += [(m, own, 1) for m in self.methods for own in (True, False)]
+        return out
+
     def run(self, candidates: list[Candidate]) -> Candidate:
         mine = user_optimizer(self.req)
-        for meth in self.methods:
+        said_full = False
+        for meth, own_optim, tier in self.passes():
             self.price_method(candidates, meth.name)
-            for own_optim, tier in ((True, 0), (True, 1), (False, 0), (False, 1)):
-                pool = sorted((c for c in candidates if c.method == meth.name and not c.reason
-                               and rung_of(c.parallel).tier == tier
-                               and (c.optim == mine) == own_optim), key=_order)
-                self._pool, self._fastest_fit = {id(c) for c in pool}, None
-                chosen = next((c for c in pool if not c.reason and self._smallest_fits(c)
-                               and self._try(c)), None)
-                if chosen is not None:
-                    if not own_optim:
-                        self._swapped_optimizer(chosen, mine)
-                    return chosen
-            if meth.name == "full" and self.req.method == "auto" and len(self.methods) > 1:
-                self.notes.append("no full fine-tuning setup fits; falling back to LoRA, which "
+            pool = sorted((c for c in candidates if c.method == meth.name and not c.reason
+                           and rung_of(c.parallel).tier == tier
+                           and (c.optim == mine) == own_optim), key=_order)
+            self._pool, self._fastest_fit = {id(c) for c in pool}, None
+            chosen = next((c for c in pool if not c.reason and self._smallest_fits(c)
+                           and self._try(c)), None)
+            if chosen is not None:
+                if not own_optim:
+                    self._swapped_optimizer(chosen, mine)
+                self._say_offload(candidates, chosen)
+                return chosen
+            if meth.name == "full" and not own_optim and tier == 0 \
+                    and self.req.method == "auto" and len(self.methods) > 1 and not said_full:
+                said_full = True
+                self.notes.append("no full fine-tuning setup fits without offloading parameters "
+                                  "or optimizer state; falling back to the LoRA family, which "
                                   "trains adapters instead of all weights")
+        tight = self._tightest(candidates)
+        if tight is not None:
+            return tight
         self.raise_impossible(candidates)
+
+    def _say_offload(self, candidates: list[Candidate], chosen: Candidate) -> None:
+        """Where a setup that offloads parameters or optimizer state was passed over for one
+        earlier in the order (or refused for host RAM), say what it would need: the user may
+        have the RAM and want it (full fine-tuning rather than adapters)."""
+        if rung_of(chosen.parallel).tier == 1:
+            return
+        names = [m.name for m in self.methods]
+        for c in candidates:
+            if c.method not in names[:names.index(chosen.method)] \
+                    or rung_of(c.parallel).tier != 1 or c.rel_time is None:
+                continue
+            if c.reason and not c.reason.startswith("offload needs"):
+                continue
+            _, rs, _ = self._states_of(c)
+            host = rs.host * (self.req.ranks // self.req.nodes)
+            self.notes.append(
+                f"{c.method} fine-tuning would fit with {rung_of(c.parallel).label} (slower: "
+                f"the offloaded states cross PCIe every step), needing about "
+                f"{format_bytes(host)} of host RAM per node ({self.req.host_basis()}); to plan "
+                f"it, pass method='{c.method}' and host_memory= the RAM your nodes have")
+            return
+
+    def _tightest(self, candidates: list[Candidate]) -> Candidate | None:
+        """Where nothing fits with its margin: the first setup in the search's order whose
+        step fits at the centre (``MemoryEstimate.verdict`` ``tight``), re-estimated without the
+        budget's shortcut (a setup judged against the budget may say only "at least"). Runs like
+        it ran at 96-98% of their card; the plan says so and what to do."""
+        names = [m.name for m in self.methods]
+        tried = sorted((c for c in candidates if c.estimate is not None and not c.fits
+                        and not c.estimate.lower_bound and c.estimate.required <= self.budget
+                        and not c.estimate.refusals),
+                       key=lambda c: (names.index(c.method), rung_of(c.parallel).tier,
+                                      _order(c)))
+        for c in tried:
+            est = self.estimate(c, judge=False)
+            est.budget = self.budget
+            if est.verdict == "tight":
+                c.estimate, c.device_used, c.peak_allocated = est, est.device_used, \
+                    est.peak_allocated
+                c.fits = True
+                self.notes.append(
+                    f"tight: no setup fits with its margin; this one needs "
+                    f"{format_bytes(est.required)} of {format_bytes(self.budget)}, and its "
+                    f"margin ({format_bytes(est.upper - est.required)}) does not fit. Runs like it "
+                    "have run at 96-98% of their card, but fragmentation may push it over: set "
+                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or use more GPUs")
+                return c
+        return None
 
     def _swapped_optimizer(self, chosen: Candidate, mine: str) -> None:
         """The optimizer is part of the user's recipe: say loudly that it was changed."""

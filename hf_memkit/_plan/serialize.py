@@ -119,7 +119,7 @@ def estimate_summary(est: Any) -> dict[str, Any] | None:
     return {"device_used": est.device_used, "upper": est.upper,
             "required": est.required, "required_at_least": est.required_at_least,
             "margin": est.upper - est.required,
-            "budget": est.budget, "fits": est.fits,
+            "budget": est.budget, "fits": est.fits, "verdict": est.verdict,
             "peak_allocated": est.peak_allocated, "peak_reserved": est.peak_reserved,
             "peak_phase": est.peak_phase,
             "breakdown": dict(est.breakdown), "host_offloaded": est.host_offloaded}
@@ -132,7 +132,7 @@ def chosen_summary(plan: Any) -> dict[str, Any]:
             "techniques": list(c.techniques), "micro_batch": c.micro_batch,
             "grad_accum": c.grad_accum, "num_gpus": plan.num_gpus, "attn": c.attn,
             "parallel": c.parallel, "rel_time": c.rel_time, "fits": c.fits,
-            "memory": estimate_summary(c.estimate),
+            "verdict": plan.verdict, "env": plan.env, "memory": estimate_summary(c.estimate),
             "training_args_kwargs": plan.training_args_kwargs,
             "model_kwargs": model_kwargs_to_json(plan.model_kwargs)}
 

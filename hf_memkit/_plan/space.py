@@ -39,6 +39,11 @@ def rung_of(name: str) -> Rung:
     return rung.split(ParallelDims.from_split_tag(tag)) if tag else rung
 
 
+# The allocator option of the planner's expandable-segments rung (``Search._expandable``): freed
+# pages are mapped into one growing segment per stream, so the step's fragmentation mostly goes.
+EXPANDABLE = "expandable_segments:True"
+
+
 @dataclass
 class Candidate:
     """One setup the planner considered."""
@@ -61,6 +66,8 @@ class Candidate:
     parallel: str = "single"         # a Rung name: single | pinned | ddp | fsdp-* | zero*
     techniques: tuple[str, ...] = ()  # searched techniques that are on (_techniques)
     padding_free: bool = False        # SFT rows flattened into one (_plan.lengths)
+    allocator: str = ""               # PYTORCH_CUDA_ALLOC_CONF options the setup is planned
+                                      # with (the expandable-segments rung: EXPANDABLE)
 
     def __post_init__(self) -> None:
         if self.checkpointing and CHECKPOINTING not in self.techniques:
@@ -73,6 +80,7 @@ class Candidate:
             parts.insert(0, rung_of(self.parallel).label)
         parts += [TECHNIQUES.get(t).display for t in self.techniques]
         parts += ["padding-free"] if self.padding_free else []
+        parts += ["expandable segments"] if self.allocator else []
         parts.append(f"micro-batch {self.micro_batch} x {self.grad_accum}")
         return ", ".join(parts)
 

@@ -29,7 +29,7 @@ optional; ``Recipe.schema()`` gives the same table with defaults)::
       device: RTX-4090          # catalog GPU (hf-memkit devices), 'cpu', or omitted = this machine
       num_gpus: 1
       max_memory: 20GiB         # explicit budget (overrides the device's)
-      headroom: 0.05            # fraction of device memory kept for other tenants
+      headroom: 0.05            # fraction kept for other tenants (default 0: headless)
     trainer: trainer            # trainer (transformers') | sft | dpo | grpo | rloo (TRL's)
     pins: {learning_rate: 2.0e-4, max_steps: 100}   # any field of the trainer's config
     callbacks: [memory, throughput]                 # and/or oom_guard (OOMGuardTrainer)

@@ -7,13 +7,14 @@ import html
 from typing import Any
 
 from .._units import format_bytes
-from .text import PHASE_WORDS, estimate_title, plan_model_name, top_candidates, verdict
+from .text import PHASE_WORDS, estimate_title, needs_text, plan_model_name, top_candidates, verdict
 
 _BAR = (("weights", "#4e79a7"), ("gradients", "#f28e2b"), ("optimizer", "#e15759"),
         ("activations", "#76b7b2"), ("temporaries", "#59a14f"), ("fragmentation", "#edc948"),
         ("context", "#b07aa1"), ("optimizer_paged_resident", "#ff9da7"))  # in device_used
 _MARGIN_CSS = "repeating-linear-gradient(45deg,#bab0ac 0 3px,#fff 3px 6px)"
-_BADGE = {"yes": ("#d1fae5", "#065f46", "fits"), "NO": ("#fee2e2", "#991b1b", "does not fit"),
+_BADGE = {"fits": ("#d1fae5", "#065f46", "fits"), "tight": ("#fef3c7", "#92400e", "tight"),
+          "does not fit": ("#fee2e2", "#991b1b", "does not fit"),
           "unknown": ("#fef3c7", "#92400e", "fit unknown")}
 
 
@@ -64,10 +65,8 @@ def breakdown_bar_html(est) -> str:
 def _memory_line(est) -> str:
     budget = format_bytes(est.budget) if est.budget is not None else "no budget"
     at_least = "at least " if est.needs_at_least else ""
-    return (f"device used {format_bytes(est.device_used)}; needs {at_least}"
-            f"{format_bytes(est.required)} "
-            f"+ margin {format_bytes(est.upper - est.required)} = {format_bytes(est.upper)} of "
-            f"{budget}")
+    return (f"needs {at_least}{format_bytes(est.required)} of {budget} (with its margin "
+            f"{format_bytes(est.upper)}; device used {format_bytes(est.device_used)})")
 
 
 def estimate_html(est) -> str:
@@ -95,7 +94,7 @@ def plan_html(plan) -> str:
                                    + breakdown_bar_html(est))
     alts = "".join(
         f"<tr><td {cell}>{_e(x.label())}</td><td {cell}>{x.rel_time:.2f}x</td>"
-        f"<td {cell}>{_e(format_bytes(x.device_used))}</td>"
+        f"<td {cell}>{_e(needs_text(x))}</td>"
         f"<td {cell}>{_e('CHOSEN' if x.chosen else x.reason)}</td></tr>"
         for x in top_candidates(plan, 5))
     return ('<div style="font-family:system-ui,sans-serif;font-size:13px;max-width:760px">'
@@ -104,6 +103,6 @@ def plan_html(plan) -> str:
             '<details><summary style="cursor:pointer">setups considered (fastest first, '
             f'{len(plan.candidates)} in all)</summary><table style="border-collapse:collapse;'
             f'font-size:12px"><tr><th {cell}>setup</th><th {cell}>rel. time</th><th {cell}>'
-            f"device used</th><th {cell}>verdict</th></tr>{alts}</table></details>"
+            f"needs</th><th {cell}>verdict</th></tr>{alts}</table></details>"
             "<div style=\"color:#555;font-size:11px\">plan.explain() for the full text</div>"
             "</div>")

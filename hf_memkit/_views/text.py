@@ -222,30 +222,67 @@ def estimate_title(est) -> str:
             + (", checkpointing" if s.checkpointing else ""))
 
 
+# What to do when a verdict is tight (fragmentation may push the step over: expandable segments
+# let the allocator map freed pages into one growing segment, torch docs "Optimizing memory usage
+# with PYTORCH_CUDA_ALLOC_CONF").
+TIGHT_ADVICE = ("set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or train one micro-batch "
+                "less (with one more accumulation step)")
+
+
 def verdict(est) -> tuple[str, str, str]:
-    """(word, detail, rich style) of whether ``est`` fits its budget."""
-    if est.budget is None:
-        return "unknown", "no budget to judge by (estimate_memory sets one)", "yellow"
-    if est.fits is None:
-        return "unknown", "only a lower bound, within the budget", "yellow"
-    gap = est.budget - est.upper
-    if est.fits:
-        return "yes", f"{format_bytes(gap)} to spare", "bold green"
-    return "NO", f"{format_bytes(-gap)} over the budget", "bold red"
+    """(word, detail, rich style) of whether ``est`` fits its budget: ``MemoryEstimate.verdict``
+    and what it means in bytes."""
+    word = est.verdict
+    if word == "unknown":
+        return word, ("no budget to judge by (estimate_memory sets one)" if est.budget is None
+                      else "only a lower bound on what the step needs"), "yellow"
+    if est.refusals:
+        return word, "the run cannot start: " + "; ".join(est.refusals), "bold red"
+    if word == "fits":
+        return word, f"{format_bytes(est.budget - est.upper)} to spare, margin included", \
+            "bold green"
+    if word == "tight":
+        return word, (f"needs {format_bytes(est.required)}, within the budget by "
+                      f"{format_bytes(est.budget - est.required)}; its margin "
+                      f"({format_bytes(est.upper - est.required)}) is not: fragmentation may "
+                      f"push it over; {TIGHT_ADVICE}"), "bold yellow"
+    return word, (f"{_at_least(est)}{format_bytes(est.required - est.budget)} missing "
+                  f"({format_bytes(est.upper - est.budget)} with its margin)"), "bold red"
+
+
+# One line each on what the figures of ``explain()`` mean.
+FIGURE_WORDS = {
+    "needs": "the smallest memory the step runs in: the allocator frees its cached blocks and "
+             "retries before an OOM (what the verdict judges)",
+    "peak allocated": "live tensors at the peak (torch.cuda.max_memory_allocated)",
+    "peak reserved": "what the caching allocator holds at the peak when nothing presses "
+                     "(max_memory_reserved)",
+    "device used": "what nvidia-smi shows for this process when nothing presses: reserved + "
+                   "context",
+    "margin": "2 sigma of the uncertain terms (docs/fitting.md)",
+}
 
 
 def estimate_table(est) -> Table:
     t = new_table(estimate_title(est), caption_justify="left")
     add_column(t, "memory at the peak", style="bold")
     add_column(t, "bytes", numeric=True)
-    add_column(t, "share", justify="right")
+    add_column(t, "what it is")
+    word, detail, style = verdict(est)
+    add_row(t, "needs", _at_least(est) + format_bytes(est.required), FIGURE_WORDS["needs"],
+            style="bold")
+    add_row(t, "budget", format_bytes(est.budget) if est.budget is not None else "-",
+            est.budget_basis)
+    add_row(t, "verdict", word, detail, style=style)
     total = max(est.device_used, 1)
     for key in BREAKDOWN_ROWS:
         v = est.breakdown.get(key, 0)
         add_row(t, _row_label(key, v, est), format_bytes(v), f"{100 * v / total:.1f}%")
-    add_row(t, "= peak allocated", format_bytes(est.peak_allocated), "", style="cyan")
+    add_row(t, "= peak allocated", format_bytes(est.peak_allocated),
+            FIGURE_WORDS["peak allocated"], style="cyan")
     add_row(t, "fragmentation", format_bytes(est.breakdown.get("fragmentation", 0)), "")
-    add_row(t, "= peak reserved", format_bytes(est.peak_reserved), "", style="cyan")
+    add_row(t, "= peak reserved", format_bytes(est.peak_reserved),
+            FIGURE_WORDS["peak reserved"], style="cyan")
     add_row(t, "context", format_bytes(est.breakdown.get("context", 0)), "")
     if "vllm" in est.breakdown:  # a colocated vLLM: outside torch's allocator, on the device
         add_row(t, "colocated vLLM", format_bytes(est.breakdown["vllm"]), "")
@@ -254,25 +291,20 @@ def estimate_table(est) -> Table:
         add_row(t, "paged optimizer, step pages",
                 format_bytes(est.breakdown.get("optimizer_paged_resident", 0)), "")
     lo, hi = est.band
-    add_row(t, "= device used", format_bytes(est.device_used),
-            f"{format_bytes(lo)} .. {format_bytes(hi)}", style="bold green")
-    if est.required != est.device_used:
-        add_row(t, "needs (cache freed)", _at_least(est) + format_bytes(est.required),
-                "allocator frees its cache first")
+    add_row(t, "device used", format_bytes(est.device_used),
+            f"{FIGURE_WORDS['device used']}; band {format_bytes(lo)} .. {format_bytes(hi)}"
+            + ("; the device holds less, so the allocator frees cache as it goes"
+               if est.peak_reserved + est.breakdown.get("context", 0) > est.device_used else ""))
     if any(k.startswith(("generate", "score")) for k in est.phase_peaks):
         for k, v in est.phase_peaks.items():   # an online-RL step's phases side by side
             add_row(t, f"  phase: {k}", format_bytes(v), "allocated at its peak")
     margin = est.upper - est.required
-    add_row(t, "margin (2 sigma)", format_bytes(margin), f"{100 * margin / total:.1f}%")
+    add_row(t, "margin (2 sigma)", format_bytes(margin), FIGURE_WORDS["margin"])
     for term, share in sorted(est.margin_terms.items(), key=lambda kv: -kv[1]):
         if share:
             add_row(t, f"  · {term}", format_bytes(share),
                     f"{100 * share / max(margin, 1):.0f}% of the margin")
-    add_row(t, "= must fit", format_bytes(est.upper), "", style="bold")
-    add_row(t, "budget", format_bytes(est.budget) if est.budget is not None else "-",
-            est.budget_basis)
-    word, detail, style = verdict(est)
-    add_row(t, "fits", word, detail, style=style)
+    add_row(t, "= needs + margin", format_bytes(est.upper), "fits when within the budget")
     if paged:
         add_row(t, "paged optimizer state", format_bytes(paged),
                 "CUDA managed memory, outside device memory (paged to host when short)")
@@ -283,7 +315,7 @@ def estimate_table(est) -> Table:
 
 
 def _fits_word(est) -> str:
-    return {True: "True", False: "False", None: "unknown"}[None if est is None else est.fits]
+    return "unknown" if est is None else est.verdict
 
 
 def estimate_repr(est) -> str:
@@ -291,8 +323,9 @@ def estimate_repr(est) -> str:
     parts = ", ".join(f"{k}: {format_bytes(v)}" for k, v in est.breakdown.items())
     budget = format_bytes(est.budget) if est.budget is not None else "None"
     return (f"MemoryEstimate({estimate_title(est)!r}, device_used="
-            f"{format_bytes(est.device_used)}, upper={format_bytes(est.upper)}, budget={budget}, "
-            f"fits={_fits_word(est)}, peak_phase={est.peak_phase!r}, breakdown={{{parts}}})")
+            f"{format_bytes(est.device_used)}, required={format_bytes(est.required)}, "
+            f"upper={format_bytes(est.upper)}, budget={budget}, "
+            f"verdict={_fits_word(est)!r}, peak_phase={est.peak_phase!r}, breakdown={{{parts}}})")
 
 
 def plan_model_name(plan) -> str:
@@ -306,13 +339,15 @@ def _at_least(est) -> str:
 
 
 def _predicted_memory(plan, c) -> str:
+    """The plan's one memory figure (what the run needs) and its verdict."""
     est = c.estimate
-    text = f"{format_bytes(c.device_used)} of {format_bytes(plan.budget)}"
-    text += " per GPU" if plan.num_gpus > 1 else ""
-    if est is not None and est.upper != est.device_used:
-        text += (f"; needs {_at_least(est)}{format_bytes(est.required)}, with its margin "
-                 f"{format_bytes(est.upper)}")
-    return text + (": fits" if c.fits else ": does not fit")
+    per = " per GPU" if plan.num_gpus > 1 else ""
+    if est is None:  # a plan read back from its compact JSON
+        return (f"device used {format_bytes(c.device_used)} of {format_bytes(plan.budget)}{per}: "
+                + ("fits" if c.fits else "does not fit"))
+    word, detail, _ = verdict(est)
+    return (f"needs {_at_least(est)}{format_bytes(est.required)} of "
+            f"{format_bytes(plan.budget)}{per}: {word} ({detail})")
 
 
 def plan_tables(plan) -> list:
@@ -335,6 +370,8 @@ def plan_tables(plan) -> list:
         rows.append(("host memory", f"{format_bytes(c.estimate.host_offloaded)} "
                                     f"{'per rank ' if plan.num_gpus > 1 else ''}offloaded to "
                                     "CPU RAM (pinned: the machine needs it free)"))
+    for k, v in plan.env.items():
+        rows.append(("environment", f"{k}={v}"))
     if par:
         launch = plan.launch_commands()
         rows.append(("launch", launch["accelerate"]))
@@ -347,10 +384,10 @@ def plan_tables(plan) -> list:
     alt = new_table("setups considered (fastest first)")
     add_column(alt, "setup")
     add_column(alt, "rel. time\nper sample", numeric=True)
-    add_column(alt, "device used", numeric=True)
+    add_column(alt, "needs", numeric=True)
     add_column(alt, "verdict")
     for x in top_candidates(plan):
-        add_row(alt, x.label(), f"{x.rel_time:.2f}x", format_bytes(x.device_used),
+        add_row(alt, x.label(), f"{x.rel_time:.2f}x", needs_text(x),
                 "CHOSEN" if x.chosen else x.reason)
     for reason, n in plan.rejected_summary().items():
         add_row(alt, f"{n} more setup(s)", "", "", reason)
@@ -387,6 +424,15 @@ def ladder_table(ladder: list[dict]) -> Table:
     return t
 
 
+def needs_text(c) -> str:
+    """A candidate's one memory figure: what its step needs (device used where only that was
+    kept)."""
+    est = c.estimate
+    if est is None:
+        return format_bytes(c.device_used)
+    return ("≥ " if est.needs_at_least else "") + format_bytes(est.required)
+
+
 def top_candidates(plan, n: int = 8) -> list:
     """The chosen setup, then the fastest estimated ones (a plan read back from the compact
     JSON keeps their numbers, not their full estimates)."""
@@ -401,10 +447,11 @@ def plan_repr(plan) -> str:
         name = name[:60] + "..." + name[-57:]
     c = next((x for x in plan.candidates if x.chosen), None)
     est = c.estimate if c is not None else None
-    mem = "" if est is None else (f", device_used={format_bytes(est.device_used)}, upper="
+    mem = "" if est is None else (f", required={format_bytes(est.required)}, upper="
                                   f"{format_bytes(est.upper)}")
-    fits = _fits_word(est) if est is not None else bool(c and c.fits)
+    fits = _fits_word(est) if est is not None else (
+        "fits" if c is not None and c.fits else "does not fit")
     estimated = sum(x.device_used is not None for x in plan.candidates)
     return (f"Plan(model={name!r}, device='{plan.device.name} x {plan.num_gpus}', "
             f"chosen={c.label() if c else None!r}{mem}, budget={format_bytes(plan.budget)}, "
-            f"fits={fits}, candidates={len(plan.candidates)} ({estimated} estimated))")
+            f"verdict={fits!r}, candidates={len(plan.candidates)} ({estimated} estimated))")

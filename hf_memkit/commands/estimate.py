@@ -252,7 +252,9 @@ def estimate_parser(sub) -> argparse.ArgumentParser:
                "  hf-memkit estimate Llama-3.2-1B --gpu RTX-4090 --trainer sft --batch 4 "
                "max_length=2048 packing=true   # TRL's SFTTrainer\n"
                "  hf-memkit estimate Llama-3.1-8B --gpu RTX-4090 --seq-len 2048 --batch 1 "
-               "--method qlora --lora-r 64 bf16=true",
+               "--method qlora --lora-r 64 bf16=true\n\n"
+               "Exit status: 0 fits, 3 tight (the centre fits, its margin does not), 1 does not "
+               "fit, 2 bad input.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", help="bundled model name or local directory with config.json")
@@ -298,8 +300,10 @@ def estimate_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", action="store_true",
                    help="instead: the longest seq_len (multiple of 64) that fits, up to --seq-len")
     p.add_argument("--headroom", type=fraction, default=None,
-                   help="fraction of device memory kept free, in [0, 1) (default 0.1): the "
-                        "budget of the verdict (fits) and of --max-batch/--max-seq-len")
+                   help="fraction of device memory kept free for other tenants (a desktop, a second "
+                        "job), in [0, 1) (default 0: a catalog card is planned headless; on "
+                        "this machine free memory is read): the budget of the verdict and of "
+                        "--max-batch/--max-seq-len")
     p.add_argument("--max-memory", default=None, metavar="SIZE",
                    help="explicit budget instead of the device's, e.g. 20GiB (as in plan): "
                         "what the verdict (fits) and --max-batch/--max-seq-len use")
@@ -425,7 +429,11 @@ def estimate_command(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2, default=str))
     else:
         print_tables(Console(), estimate_table(est))
-    return 0
+    return EXIT_STATUS.get(est.verdict, 0)
+
+
+# The verdict as the exit status (2 is bad input): a script can branch on it.
+EXIT_STATUS = {"fits": 0, "tight": 3, "does not fit": 1, "unknown": 0}
 
 
 def register(sub) -> None:

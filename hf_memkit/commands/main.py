@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 args.fields = typed_fields(args.fields)
             code = int(args.func(args) or 0)
-            if code == 0:
+            if code == 0 or args.command in ("estimate", "plan"):  # their verdict's status
                 rec.keep()
             return code
     except HfMemkitError as exc:

@@ -45,7 +45,9 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                "  hf-memkit plan Llama-3.1-8B --gpu A100-80GB --seq-len 2048 --target-batch 64 "
                "--trainer sft packing=true   # TRL's SFTTrainer\n"
                "  hf-memkit plan Llama-3.1-8B --gpu A100-80GB --target-batch 64 --trainer sft "
-               "--lengths lengths.txt",
+               "--lengths lengths.txt\n\n"
+               "Exit status: 0 a setup fits, 3 the plan is tight (no setup fits with its "
+               "margin; the chosen one fits at the centre), 2 no setup fits or bad input.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", metavar="MODEL|RECIPE",
@@ -82,8 +84,8 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                    help="default: auto (or the recipe's)")
     p.add_argument("--max-memory", default=None, help="explicit budget, e.g. 20GiB")
     p.add_argument("--headroom", type=fraction, default=None,
-                   help="fraction of memory kept free, in [0, 1) (default 0.1; ignored with "
-                        "--max-memory)")
+                   help="fraction of memory kept free for other tenants, in [0, 1) (default 0: "
+                        "a catalog card is planned headless; ignored with --max-memory)")
     p.add_argument("--task", default=None, metavar="TASK", choices=task_choices(),
                    help=f"head: {', '.join(task_choices(aliases=False))}")
     p.add_argument("--cuda-version", default=None, metavar="X.Y",
@@ -183,7 +185,7 @@ def plan_command(args: argparse.Namespace) -> int:
         from .._views.text import plan_tables, print_tables
 
         print_tables(Console(), *plan_tables(plan))
-    return 0
+    return 3 if plan.verdict == "tight" else 0  # no setup fits: an error, exit 1
 
 
 def register(sub) -> None:

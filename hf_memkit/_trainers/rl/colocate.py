@@ -169,9 +169,18 @@ def plan_beside_vllm(req: Any, run: Callable[[Any], Any], base: Callable[[], Any
     if not colocates(req.pins, req.dev.kind):
         return run(req)
     notes, spec = [], base()
+    if "vllm_max_model_length" not in req.constraints:
+        # unset, vLLM sizes one request at the model's positions (131,072 for Qwen2.5) and
+        # refuses to start when its KV cache cannot hold one such request
+        longest = req.seq_len + int(req.get("max_completion_length"))
+        req = with_pin(req, vllm_max_model_length=longest)
+        notes.append(f"vllm_max_model_length={longest}: the longest sequence generated (seq_len "
+                     f"{req.seq_len} + max_completion_length {longest - req.seq_len}); unset, "
+                     "vLLM would size one request at the model's positions")
     if "vllm_gpu_memory_utilization" not in req.constraints:
         share, why = smallest_share(req, spec)
-        req, notes = with_pin(req, vllm_gpu_memory_utilization=share), [why]
+        req = with_pin(req, vllm_gpu_memory_utilization=share)
+        notes.append(why)
     problem = startup_problem(req, float(req.constraints["vllm_gpu_memory_utilization"]), spec)
     if problem:
         raise ConfigError([problem], source="plan_training")

@@ -238,3 +238,29 @@ def test_device_info_round_trips_through_dict():
     dev = mk.get_device("H100")
     again = mk.DeviceInfo.from_dict(json.loads(json.dumps(dev.to_dict())))
     assert again == dev
+
+
+def test_the_budget_starts_from_what_cuda_hands_out(fake_cuda):
+    """NVML's total counts what the driver and firmware keep; torch's total_memory (the
+    "total capacity" of its OOM message) does not. A probed GPU reads it; a catalog card carries
+    the published figure, within a GiB under NVML's; an unmeasured card is given 1 GiB less."""
+    from hf_memkit._estimate.budget import DRIVER_RESERVE, cuda_capacity, memory_budget
+
+    fake_cuda([A100_80])
+    dev = mk.probe_device()
+    assert dev.cuda_memory == torch.cuda.get_device_properties(0).total_memory
+    assert cuda_capacity(dev)[0] == dev.cuda_memory
+    for name in mk.list_devices():
+        d = mk.get_device(name)
+        if d.vendor != "nvidia":
+            assert cuda_capacity(d)[0] == d.total_memory
+            continue
+        cap = cuda_capacity(d)[0]
+        if d.cuda_memory is not None:
+            assert 0 <= d.total_memory - d.cuda_memory < GiB, name
+        else:
+            assert cap == d.total_memory - DRIVER_RESERVE, name
+    rtx = mk.get_device("RTX-4090")
+    budget = memory_budget(rtx)       # headless by default: no other tenant
+    assert budget.bytes == rtx.cuda_memory and "no other tenant assumed" in budget.basis
+    assert memory_budget(rtx, headroom=0.05).bytes == int(0.95 * rtx.cuda_memory)

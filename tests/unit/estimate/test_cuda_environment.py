@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig
 
 import hf_memkit as mk
-from hf_memkit._estimate.budget import memory_budget
+from hf_memkit._estimate.budget import cuda_capacity, memory_budget
 from hf_memkit._units import GiB, KiB, MiB
 
 LLAMA = LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=3,
@@ -38,16 +38,17 @@ def est(device="A100-80GB", **kw):
 
 def test_per_process_memory_fraction_shrinks_the_budget(env):
     a100 = mk.get_device("A100-80GB")                     # 80 GiB
-    assert memory_budget(a100, headroom=0.05).bytes == int(0.95 * 80 * GiB)
+    assert memory_budget(a100, headroom=0.05).bytes == int(0.95 * cuda_capacity(a100)[0])
     env.setenv("PYTORCH_CUDA_ALLOC_CONF", "per_process_memory_fraction:0.5")
     b = memory_budget(a100, headroom=0.05)
-    assert b.bytes == 40 * GiB
+    half = int(0.5 * cuda_capacity(a100)[0])      # torch's fraction of what CUDA hands out
+    assert b.bytes == half
     assert "per_process_memory_fraction:0.5" in b.basis and "PYTORCH_CUDA_ALLOC_CONF" in b.basis
     # an explicit max_memory above the fraction cannot lift torch's limit either
-    assert memory_budget(a100, max_memory="70GiB").bytes == 40 * GiB
+    assert memory_budget(a100, max_memory="70GiB").bytes == half
     assert memory_budget(a100, max_memory="30GiB") == (30 * GiB, "max_memory")
     e = est()
-    assert e.budget == 40 * GiB and "per_process_memory_fraction" in e.budget_basis
+    assert e.budget == half and "per_process_memory_fraction" in e.budget_basis
     # a fraction under what the step needs: it does not fit, though the card is far larger
     env.setenv("PYTORCH_CUDA_ALLOC_CONF", "per_process_memory_fraction:0.005")   # 410 MiB
     assert est().fits is False

@@ -130,7 +130,7 @@ def test_auto_fallback_to_lora_only_when_no_full_setup_fits():
     states = mk.profile_model(TINY).total_params * 4 * 3  # fp32 weights + grads + one moment
     p = plan(max_memory=int(states * 0.9))
     assert p.chosen.method in ("lora", "qlora")
-    assert any("falling back to LoRA" in n for n in p.notes)
+    assert any("falling back to the LoRA family" in n for n in p.notes)
 
 
 def test_overrides_are_honoured_and_warn_when_they_do_not_fit(tmp_path):

@@ -15,6 +15,7 @@ from transformers import LlamaConfig
 
 import hf_memkit as mk
 from hf_memkit._errors import ConfigError
+from hf_memkit._estimate.budget import cuda_capacity
 from hf_memkit._units import GiB, MiB, format_bytes
 from hf_memkit._views.text import render_to_text
 from hf_memkit.commands.main import main
@@ -53,21 +54,22 @@ def test_8b_full_finetune_does_not_fit_a_4090():
                                               "optim": "adamw_bnb_8bit"},
                              seq_len=2048, device="RTX-4090")
     dev = mk.get_device("RTX-4090")
-    assert est.budget == int(dev.total_memory * 0.95)
-    assert est.upper > est.budget and est.fits is False
+    assert est.budget == cuda_capacity(dev)[0] < dev.total_memory   # no headroom by default
+    assert est.required > est.budget and est.fits is False and est.verdict == "does not fit"
     text = est.explain()
-    assert re.search(r"fits\s*│\s*NO", text)
-    assert f"{format_bytes(est.upper - est.budget)} over the budget" in text
-    assert est.to_dict()["fits"] is False and est.to_dict()["budget"] == est.budget
+    assert re.search(r"verdict\s*│\s*does not fit", text)
+    assert f"{format_bytes(est.required - est.budget)} missing" in text
+    d = est.to_dict()
+    assert d["fits"] is False and d["verdict"] == "does not fit" and d["budget"] == est.budget
 
 
 def test_tiny_model_fits_and_budget_follows_headroom_and_max_memory():
     t4 = mk.get_device("T4")
     est = mk.estimate_memory(TINY, ARGS, seq_len=SEQ, device="T4")
-    assert est.fits is True and est.budget == int(t4.total_memory * 0.95)
-    assert "95% of" in est.budget_basis
+    assert est.fits is True and est.verdict == "fits" and est.budget == cuda_capacity(t4)[0]
+    assert "no other tenant assumed" in est.budget_basis
     half = mk.estimate_memory(TINY, ARGS, seq_len=SEQ, device="T4", headroom=0.5)
-    assert half.budget == int(t4.total_memory * 0.5)
+    assert half.budget == int(cuda_capacity(t4)[0] * 0.5)
     tight = mk.estimate_memory(TINY, ARGS, seq_len=SEQ, device="T4", max_memory="1MiB")
     assert tight.budget == MiB and tight.fits is False and tight.budget_basis == "max_memory"
     assert tight.device_used == est.device_used       # the budget changes the verdict only
@@ -95,7 +97,7 @@ def test_without_a_budget_the_verdict_says_unknown():
     old = {k: v for k, v in est.to_dict().items() if k not in ("budget", "fits", "upper")}
     again = mk.MemoryEstimate.from_dict(old)          # an estimate saved before budgets
     assert again.budget is None and again.fits is None
-    assert re.search(r"fits\s*│\s*unknown", again.explain())
+    assert re.search(r"verdict\s*│\s*unknown", again.explain())
     assert mk.MemoryEstimate.from_dict(est.to_dict()).fits is True
 
 
@@ -104,12 +106,34 @@ def test_estimate_cli_table_and_json_carry_the_verdict(tiny_dir, capsys, monkeyp
     base = ["estimate", tiny_dir, "--gpu", "T4", "--seq-len", str(SEQ), "--batch", "2"]
     assert _quiet(main, [*base, "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["fits"] is True and d["budget"] == int(mk.get_device("T4").total_memory * 0.95)
+    assert d["fits"] is True and d["budget"] == cuda_capacity(mk.get_device("T4"))[0]
+    assert d["verdict"] == "fits"
     assert d["upper"] >= d["device_used"]
-    assert _quiet(main, [*base, "--max-memory", "1MiB"]) == 0
+    assert _quiet(main, [*base, "--max-memory", "1MiB"]) == 1     # does not fit: exit 1
     out = capsys.readouterr().out
-    assert re.search(r"budget\s*│\s*1.00 MiB", out) and re.search(r"fits\s*│\s*NO", out)
-    assert "over the budget" in out and "…" not in out
+    assert re.search(r"budget\s*│\s*1.00 MiB", out)
+    assert re.search(r"verdict\s*│\s*does not fit", out)
+    assert "missing" in out and "…" not in out
+
+
+def test_tight_is_the_centre_within_the_budget_and_its_margin_over_it(tiny_dir, capsys):
+    """Three words: a budget between what the step needs and that plus its margin is `tight`
+    (expected to run: `fits` is True), with what to do; the CLI exits 3 on it."""
+    est = mk.estimate_memory(TINY, ARGS, seq_len=SEQ, device="T4")
+    assert est.upper > est.required
+    between = est.required + (est.upper - est.required) // 2
+    tight = mk.estimate_memory(TINY, ARGS, seq_len=SEQ, device="T4", max_memory=between)
+    assert tight.required <= tight.budget < tight.upper
+    assert tight.verdict == "tight" and tight.fits is True
+    assert tight.to_dict()["verdict"] == "tight" and "verdict='tight'" in repr(tight)
+    text = tight.explain()
+    assert re.search(r"verdict\s*│\s*tight", text)
+    assert "expandable_segments:True" in text and "one micro-batch" in text
+    below = mk.estimate_memory(TINY, ARGS, seq_len=SEQ, device="T4", max_memory=est.required - 1)
+    assert below.verdict == "does not fit" and below.fits is False
+    base = ["estimate", tiny_dir, "--gpu", "T4", "--seq-len", str(SEQ), "--batch", "2"]
+    assert _quiet(main, [*base, "--max-memory", str(between)]) == 3
+    assert "tight" in capsys.readouterr().out
 
 
 # -- reprs and notebook HTML -------------------------------------------------------------------
@@ -125,8 +149,8 @@ class _Tags(HTMLParser):
 
 def test_plan_and_estimate_reprs_are_short(tiny_plan):
     r = repr(tiny_plan)
-    assert len(r) <= 2000 and tiny_plan.chosen.label() in r and "fits=True" in r
-    assert len(repr(tiny_plan.estimate)) <= 2000 and "fits=True" in repr(tiny_plan.estimate)
+    assert len(r) <= 2000 and tiny_plan.chosen.label() in r and "verdict='fits'" in r
+    assert len(repr(tiny_plan.estimate)) <= 2000 and "verdict='fits'" in repr(tiny_plan.estimate)
     assert all(len(repr(c)) <= 2000 for c in tiny_plan.candidates)
     assert repr(tiny_plan) == repr(mk.Plan.from_json(tiny_plan.to_json()))
 
