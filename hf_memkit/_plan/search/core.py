@@ -3,8 +3,10 @@ lower bounds (model states alone; a step's forward alone, traced without its bac
 an accumulating step also bounds its second micro-step's forward, the first's with the gradients
 alive), and trace exactly before accepting.
 
-Candidates are estimated in order of method preference (the ladder), then tier (DDP or sharding,
-then offload as the last rung), then predicted speed; a method stops at its fastest fit. Pure bf16
+Candidates are estimated in the order of ``Search.passes``: each method's setups without offload
+(the ladder), then, with ``method="auto"`` and no ``host_memory``, offload after them all; within
+a pass, by predicted speed, and a pass stops at its fastest fit. A setup that misses by the
+allocator's fragmentation is tried with expandable segments before the next (``edges``). Pure bf16
 changes numerics (no fp32 master weights), not speed: within a method and tier it is tried only
 after every mixed-precision setup, so checkpointing and checkpoint offload come before it.
 """
@@ -12,36 +14,23 @@ after every mixed-precision setup, so checkpointing and checkpoint offload come 
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 from dataclasses import dataclass, field
 from typing import NoReturn
 
-from .._cuda.allocator import AllocatorConfig
-from .._errors import HfMemkitError
-from .._estimate import MemoryEstimate, TraceCache, estimate_for
-from .._estimate.phases import states_for, trained_spec
-from .._methods import Method
-from .._setup.setup import TrainingSetup, normalize_args
-from .._techniques import TECHNIQUES
-from .._trainers.packing import with_lengths
-from .._units import format_bytes
-from .cost import Shape, cost
-from .emit import ArgsContext, training_args
-from .request import PlanRequest
-from .space import EXPANDABLE, Candidate, SpecBook, rung_of, user_optimizer
-
-PURE_BF16 = "pure-bf16"
-
-
-def allocator_of(c: Candidate) -> AllocatorConfig | None:
-    """The allocator options ``c`` is estimated with: the environment's, plus the planner's
-    rung (``Candidate.allocator``) where it has one; None: the environment's as they are."""
-    if not c.allocator:
-        return None
-    conf = AllocatorConfig.from_env()
-    return dataclasses.replace(conf, expandable_segments=True, source=(
-        f"{conf.source} + " if conf.source else "") + f"the plan's {c.allocator}")
+from ..._errors import HfMemkitError
+from ..._estimate import MemoryEstimate, TraceCache, estimate_for
+from ..._estimate.phases import states_for, trained_spec
+from ..._methods import Method
+from ..._setup.setup import TrainingSetup, normalize_args
+from ..._techniques import TECHNIQUES
+from ..._trainers.packing import with_lengths
+from ..._units import format_bytes
+from ..cost import Shape, cost
+from ..emit import ArgsContext, training_args
+from ..request import PlanRequest
+from ..space import Candidate, SpecBook, rung_of, user_optimizer
+from .edges import allocator_of, expandable, order, say_offload, tightest
 
 
 def _at_forward(rs) -> int:
@@ -51,10 +40,6 @@ def _at_forward(rs) -> int:
     return (rs.weights + rs.optimizer + rs.buckets + rs.gathered_forward
             + (rs.gradients if rs.resident_gradients else 0))
 
-
-def _order(c: Candidate) -> tuple:
-    """The order a pool of the search tries its candidates in."""
-    return c.precision == PURE_BF16, c.rel_time
 
 
 def _group(c: Candidate) -> tuple:
@@ -83,7 +68,7 @@ class Search:
     _probes: dict[tuple, MemoryEstimate] = field(default_factory=dict)
     _forwards: dict[tuple, dict[int, int]] = field(default_factory=dict)  # micro-batch: forward
     _pool: set[int] = field(default_factory=set)     # the candidates ``run`` tries now
-    _fastest_fit: tuple | None = None                # the first of them known to fit (_order)
+    _fastest_fit: tuple | None = None                # the first of them known to fit (order)
 
     def setup_of(self, c: Candidate, eval_batch: int | None = None) -> TrainingSetup:
         with warnings.catch_warnings():
@@ -115,7 +100,7 @@ class Search:
             self._setups[key] = self.setup_of(c)
         return self._setups[key].replace(optim=c.optim)
 
-    def _states_of(self, c: Candidate) -> tuple:
+    def states_of(self, c: Candidate) -> tuple:
         """(the states setup, one rank's model states, trainable parameters) of ``c``: the same
         for every micro-batch split and technique of one method, precision, engine rung,
         accumulation and optimizer, so computed once for all of them."""
@@ -129,7 +114,7 @@ class Search:
 
     def price(self, c: Candidate) -> None:
         """Set ``rel_time`` (not yet relative) and reject on model states alone."""
-        setup, rs, n_trainable = self._states_of(c)
+        setup, rs, n_trainable = self.states_of(c)
         c.rel_time = cost(c, self._shape(c), n_trainable=n_trainable, dev=self.req.dev,
                           sharding=setup.sharding)
         per_node = rs.host * (self.req.ranks // self.req.nodes)
@@ -166,41 +151,10 @@ class Search:
         first = g not in self._tried
         self._tried.add(g)
         if first and self._ample(c):
-            return self._record(c, self.estimate(c, setup=setup)) or self._expandable(c, setup)
+            return self.record(c, self.estimate(c, setup=setup)) or expandable(self, c, setup)
         if self._forward_misses(c):
             return False
-        return self._record(c, self.estimate(c, setup=setup)) or self._expandable(c, setup)
-
-    def _expandable(self, c: Candidate, setup: TrainingSetup) -> bool:
-        """The expandable-segments rung, tried before any slower setup: where ``c`` misses by
-        less than what the caching allocator adds over its live bytes (fragmentation, and the
-        margin's allocator term), ``c`` again with ``expandable_segments:True``; it fits or
-        not on that exact estimate, and the plan then sets the variable."""
-        est = c.estimate
-        if est is None or est.lower_bound or est.refusals or self.req.dev.kind != "cuda" \
-                or c.allocator or self.host_short(c):
-            return False
-        conf = AllocatorConfig.from_env()
-        given = " ".join(os.environ.get(v, "") for v in ("PYTORCH_CUDA_ALLOC_CONF",
-                                                         "PYTORCH_ALLOC_CONF"))
-        if "expandable_segments" in given or conf.backend != "native":
-            return False  # the user chose it either way (or another allocator)
-        by_allocator = est.breakdown.get("fragmentation", 0) + est.margin_terms.get("allocator", 0)
-        if est.upper - self.budget >= by_allocator:
-            return False
-        before = est
-        c.allocator = EXPANDABLE
-        if self._record(c, self.estimate(c, setup=setup)):
-            return True
-        c.allocator = ""
-        self._record(c, before)
-        return False
-
-    def host_short(self, c: Candidate) -> bool:
-        """Whether ``c``'s offload needs more host RAM per node than the plan may use."""
-        est = c.estimate
-        host = est.host_offloaded * (self.req.ranks // self.req.nodes) if est else 0
-        return self.host_budget is not None and host > self.host_budget
+        return self.record(c, self.estimate(c, setup=setup)) or expandable(self, c, setup)
 
     def _ample(self, c: Candidate) -> bool:
         """Whether ``c`` looks likely to fit: its group's smallest split scaled to ``c``'s
@@ -229,7 +183,7 @@ class Search:
         A guess: the backward is not in it."""
         peaks = probe.phase_peaks
         forward = peaks.get("forward", 0)
-        grown = max(0, forward - _at_forward(self._states_of(c)[1]))
+        grown = max(0, forward - _at_forward(self.states_of(c)[1]))
         own = peaks.get("forward (accumulating)", forward) if c.grad_accum > 1 else forward
         scaled = own + grown * (c.micro_batch / small.micro_batch - 1)
         return probe.upper + max(0, scaled - max(peaks.values()))
@@ -256,9 +210,9 @@ class Search:
             return False
         est = self.estimate(c, probe=True)
         seen[c.micro_batch] = est.upper
-        return est.lower_bound and not self._record(c, est)
+        return est.lower_bound and not self.record(c, est)
 
-    def _record(self, c: Candidate, est: MemoryEstimate) -> bool:
+    def record(self, c: Candidate, est: MemoryEstimate) -> bool:
         c.estimate, c.device_used, c.peak_allocated = est, est.device_used, est.peak_allocated
         host = est.host_offloaded * (self.req.ranks // self.req.nodes)
         # what must fit is what the step needs (the allocator freeing its cache before an
@@ -266,7 +220,7 @@ class Search:
         c.fits = est.upper <= self.budget and not est.refusals and (
             self.host_budget is None or host <= self.host_budget)
         if c.fits and id(c) in self._pool and not est.lower_bound:
-            self._fastest_fit = min(_order(c), self._fastest_fit or _order(c))
+            self._fastest_fit = min(order(c), self._fastest_fit or order(c))
         if not c.fits and est.refusals:
             c.reason = "cannot start: " + "; ".join(est.refusals)
         elif not c.fits:
@@ -297,7 +251,7 @@ class Search:
             else:
                 est = self._probes[g] = self.estimate(small, probe=True)
                 if est.upper > self.budget:
-                    self._record(small, est)
+                    self.record(small, est)
         if small.estimate is None and (g in self._tried or not self._ample(c)):
             # the next split up: where it does not fit, no larger one does, and the smallest
             # (slower) is traced only when the search reaches it
@@ -338,7 +292,7 @@ class Search:
         """Whether a split that would settle its group comes after a candidate of this pool
         known to fit: the search never reaches it, so it is not traced to settle the group (the
         faster split asking is then judged on its own)."""
-        return self._fastest_fit is not None and _order(settler) >= self._fastest_fit
+        return self._fastest_fit is not None and order(settler) >= self._fastest_fit
 
     def _stand_in_probe(self, g: tuple) -> MemoryEstimate | None:
         """The probe of the group ``g`` without one of its techniques whose forward is like the
@@ -396,14 +350,14 @@ class Search:
             self.price_method(candidates, meth.name)
             pool = sorted((c for c in candidates if c.method == meth.name and not c.reason
                            and rung_of(c.parallel).tier == tier
-                           and (c.optim == mine) == own_optim), key=_order)
+                           and (c.optim == mine) == own_optim), key=order)
             self._pool, self._fastest_fit = {id(c) for c in pool}, None
             chosen = next((c for c in pool if not c.reason and self._smallest_fits(c)
                            and self._try(c)), None)
             if chosen is not None:
                 if not own_optim:
                     self._swapped_optimizer(chosen, mine)
-                self._say_offload(candidates, chosen)
+                say_offload(self, candidates, chosen)
                 return chosen
             if meth.name == "full" and not own_optim and tier == 0 \
                     and self.req.method == "auto" and len(self.methods) > 1 and not said_full:
@@ -411,59 +365,10 @@ class Search:
                 self.notes.append("no full fine-tuning setup fits without offloading parameters "
                                   "or optimizer state; falling back to the LoRA family, which "
                                   "trains adapters instead of all weights")
-        tight = self._tightest(candidates)
+        tight = tightest(self, candidates)
         if tight is not None:
             return tight
         self.raise_impossible(candidates)
-
-    def _say_offload(self, candidates: list[Candidate], chosen: Candidate) -> None:
-        """Where a setup that offloads parameters or optimizer state was passed over for one
-        earlier in the order (or refused for host RAM), say what it would need: the user may
-        have the RAM and want it (full fine-tuning rather than adapters)."""
-        if rung_of(chosen.parallel).tier == 1:
-            return
-        names = [m.name for m in self.methods]
-        for c in candidates:
-            if c.method not in names[:names.index(chosen.method)] \
-                    or rung_of(c.parallel).tier != 1 or c.rel_time is None:
-                continue
-            if c.reason and not c.reason.startswith("offload needs"):
-                continue
-            _, rs, _ = self._states_of(c)
-            host = rs.host * (self.req.ranks // self.req.nodes)
-            self.notes.append(
-                f"{c.method} fine-tuning would fit with {rung_of(c.parallel).label} (slower: "
-                f"the offloaded states cross PCIe every step), needing about "
-                f"{format_bytes(host)} of host RAM per node ({self.req.host_basis()}); to plan "
-                f"it, pass method='{c.method}' and host_memory= the RAM your nodes have")
-            return
-
-    def _tightest(self, candidates: list[Candidate]) -> Candidate | None:
-        """Where nothing fits with its margin: the first setup in the search's order whose
-        step fits at the centre (``MemoryEstimate.verdict`` ``tight``), re-estimated without the
-        budget's shortcut (a setup judged against the budget may say only "at least"). Runs like
-        it ran at 96-98% of their card; the plan says so and what to do."""
-        names = [m.name for m in self.methods]
-        tried = sorted((c for c in candidates if c.estimate is not None and not c.fits
-                        and not c.estimate.lower_bound and c.estimate.required <= self.budget
-                        and not c.estimate.refusals),
-                       key=lambda c: (names.index(c.method), rung_of(c.parallel).tier,
-                                      _order(c)))
-        for c in tried:
-            est = self.estimate(c, judge=False)
-            est.budget = self.budget
-            if est.verdict == "tight":
-                c.estimate, c.device_used, c.peak_allocated = est, est.device_used, \
-                    est.peak_allocated
-                c.fits = True
-                self.notes.append(
-                    f"tight: no setup fits with its margin; this one needs "
-                    f"{format_bytes(est.required)} of {format_bytes(self.budget)}, and its "
-                    f"margin ({format_bytes(est.upper - est.required)}) does not fit. Runs like it "
-                    "have run at 96-98% of their card, but fragmentation may push it over: set "
-                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or use more GPUs")
-                return c
-        return None
 
     def _swapped_optimizer(self, chosen: Candidate, mine: str) -> None:
         """The optimizer is part of the user's recipe: say loudly that it was changed."""
