@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from .._cuda.allocator import AllocatorConfig
+from .._device.catalog import catalog
 from .._device.probe import DeviceInfo
 from .._errors import HfMemkitError, quoted
 from .._units import GiB, format_bytes, parse_bytes
@@ -47,6 +48,11 @@ def cuda_capacity(dev: DeviceInfo) -> tuple[int, str]:
             f" of {format_bytes(dev.total_memory)}" if shown else ""))
     if dev.vendor == "amd":
         return dev.total_memory, format_bytes(dev.total_memory)
+    spec = catalog().get(dev.catalog_name or "")
+    if spec is not None and spec.cuda_memory and spec.memory == dev.total_memory:
+        # probed before the probe read it: the card's published figure
+        return spec.cuda_memory, (f"{format_bytes(spec.cuda_memory)} CUDA hands out of "
+                                  f"{format_bytes(dev.total_memory)} ({spec.name}, published)")
     n = max(1, dev.total_memory - DRIVER_RESERVE)
     return n, (f"{format_bytes(n)}: {format_bytes(dev.total_memory)} less the driver's reserve "
                f"({format_bytes(DRIVER_RESERVE)} assumed: not measured on this card)")

@@ -74,6 +74,10 @@ def search_for(req: PlanRequest) -> tuple[Search, list[Candidate]]:
 def _finish(s: Search, cands: list[Candidate], chosen: Candidate) -> Plan:
     req = s.req
     chosen.chosen, chosen.reason = True, "fastest setup that fits"
+    if chosen.estimate is not None and not chosen.estimate.needs_at_least:
+        # what estimate_memory says of it: its smallest capacity searched even where the
+        # verdict did not depend on it, so the plan and the estimate show one `required`
+        chosen.estimate = s.estimate(chosen, judge=False)
     for c in cands:
         if c.fits and not c.chosen:
             c.reason = "fits; slower than the chosen setup"

@@ -91,10 +91,10 @@ def _plan_params():
 
 
 @pytest.mark.parametrize("path", list(_plan_params()))
-def test_plan_of_bundled_recipe_matches_independent_estimate(path, capsys):
+def test_plan_of_bundled_recipe_matches_independent_estimate(path, capsys, monkeypatch):
     """`hf-memkit plan RECIPE --json` for the recipe's hardware, offline from bundled configs;
     its chosen setup's memory equals estimate_memory called on its own with the plan's
-    training args, model kwargs and LoRA config."""
+    training args, model kwargs and LoRA config, in the plan's environment (`Plan.env`)."""
     assert main(["plan", str(path), "--json"]) == 0
     plan = mk.Plan.from_json(capsys.readouterr().out)
     r = load_recipe(path)
@@ -104,6 +104,8 @@ def test_plan_of_bundled_recipe_matches_independent_estimate(path, capsys):
     assert c.micro_batch * c.grad_accum * plan.num_gpus == r.target_batch_size
     if r.method != "auto":
         assert c.method.startswith(r.method) or (r.method == "lora" and c.method == "lora-8bit")
+    for k, v in plan.env.items():   # what the plan's launch lines set
+        monkeypatch.setenv(k, v)
     extra = {"num_gpus": plan.num_gpus}
     mkw = plan.model_kwargs
     quant = mkw.get("quantization_config")
@@ -130,7 +132,7 @@ def test_plan_text_of_recipe_prints_the_estimate(capsys):
                              seq_len=512, device="V100-SXM2-16GB", task=r.task,
                              attn_implementation=plan.model_kwargs.get("attn_implementation"))
     line = next(ln for ln in out.splitlines() if "predicted memory" in ln)
-    assert f"{format_bytes(est.device_used)} of {format_bytes(plan.budget)}" in line
+    assert f"needs {format_bytes(est.required)} of {format_bytes(plan.budget)}: fits" in line
 
 
 def test_plan_cli_flags_override_the_recipe(capsys):
