@@ -44,8 +44,10 @@ def cuda_capacity(dev: DeviceInfo) -> tuple[int, str]:
         return dev.total_memory, format_bytes(dev.total_memory)
     if dev.cuda_memory:
         shown = dev.cuda_memory < dev.total_memory
+        how = "torch's total in published OOM messages" if dev.source == "catalog" else \
+            "torch's total_memory, probed"
         return dev.cuda_memory, (f"{format_bytes(dev.cuda_memory)} CUDA hands out" + (
-            f" of {format_bytes(dev.total_memory)}" if shown else ""))
+            f" of {format_bytes(dev.total_memory)}" if shown else "") + f" ({how})")
     if dev.vendor == "amd":
         return dev.total_memory, format_bytes(dev.total_memory)
     spec = catalog().get(dev.catalog_name or "")

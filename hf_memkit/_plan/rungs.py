@@ -21,6 +21,7 @@ from .space import Candidate, user_optimizer
 PURE_BF16_RUNG = 60   # after checkpoint offload (40)
 OPTIM_RUNG = 65       # another optimizer than the user's: after every rung that keeps the recipe
 METHOD_RUNG = 70      # LoRA / 8-bit / 4-bit bases: the last resort of method="auto"
+ALLOCATOR_RUNG = 90   # expandable segments: tried on a setup before any slower one (search.edges)
 
 
 def _without(c: Candidate, name: str) -> Candidate:
@@ -50,6 +51,9 @@ def rungs(search: Any, c: Candidate) -> list[tuple[int, str, Callable[[Candidate
     if c.precision == "pure-bf16":
         out.append((PURE_BF16_RUNG, "pure bf16 (no fp32 master weights)",
                     lambda x: _fresh(x, precision="bf16")))
+    if c.allocator:
+        out.append((ALLOCATOR_RUNG, "expandable segments (PYTORCH_CUDA_ALLOC_CONF)",
+                    lambda x: _fresh(x, allocator="")))
     names = [m.name for m in search.methods]
     if c.method in names:
         for i in range(names.index(c.method), 0, -1):

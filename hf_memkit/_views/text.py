@@ -420,7 +420,8 @@ def ladder_table(ladder: list[dict]) -> Table:
         add_row(t, "+ " + r["rung"], size(r.get("must_fit", r.get("device_used"))),
                 "n/a" if saved is None else format_bytes(saved) if saved >= 0 else
                 f"costs {format_bytes(-saved)}",
-                f"+{format_bytes(host)}" if host else "", f"x{factor:.2f}" if factor else "")
+                f"+{format_bytes(host)}" if host and host > 0 else
+                f"-{format_bytes(-host)}" if host else "", f"x{factor:.2f}" if factor else "")
     return t
 
 

@@ -28,7 +28,7 @@ def allocator_of(c: Candidate) -> AllocatorConfig | None:
         return None
     conf = AllocatorConfig.from_env()
     return dataclasses.replace(conf, expandable_segments=True, source=(
-        f"{conf.source} + " if conf.source else "") + f"the plan's {c.allocator}")
+        f"{conf.source} + " if conf.source else "") + "the plan's PYTORCH_CUDA_ALLOC_CONF")
 
 
 def expandable(search: Any, c: Candidate, setup: TrainingSetup) -> bool:

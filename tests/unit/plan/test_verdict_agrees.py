@@ -110,6 +110,8 @@ def test_a_setup_that_misses_by_fragmentation_gets_expandable_segments(monkeypat
     assert plan.launch_commands()["torchrun"].startswith(
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ")
     assert "environment" in plan.explain()
+    top = plan.ladder[-1]   # the rung applied last, on top of the rest
+    assert top["rung"].startswith("expandable segments") and top["saved"] > 0
     _agrees(plan)
     assert "PYTORCH_CUDA_ALLOC_CONF" not in __import__("os").environ   # left as it was
     again = mk.Plan.from_json(plan.to_json())
