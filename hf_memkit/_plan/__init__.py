@@ -78,6 +78,12 @@ def _finish(s: Search, cands: list[Candidate], chosen: Candidate) -> Plan:
         # what estimate_memory says of it: its smallest capacity searched even where the
         # verdict did not depend on it, so the plan and the estimate show one `required`
         chosen.estimate = s.estimate(chosen, judge=False)
+    est = chosen.estimate
+    if est is not None and (est.refusals or est.required > s.budget):
+        # the search's own rule (edges, core.record): a plan never hands over a setup its own
+        # estimate refuses
+        raise HfMemkitError(f"internal error: the planner chose {chosen.label()}, which its own "
+                            f"estimate refuses ({est.verdict}); please report it")
     for c in cands:
         if c.fits and not c.chosen:
             c.reason = "fits; slower than the chosen setup"
