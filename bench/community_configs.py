@@ -37,7 +37,7 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -203,10 +203,22 @@ class Result:
     seconds: float = 0.0
 
     @property
-    def correct(self) -> bool | None:
-        if self.fits is None:
+    def verdict(self) -> str | None:
+        """hf_memkit's verdict word (``MemoryEstimate.verdict``) from the three figures: fits
+        (required + margin within the budget), tight (required within it), does not fit."""
+        if self.fits is None or self.error:
             return None
-        return self.fits if self.outcome == "ran" else not self.fits
+        if self.required > self.budget:
+            return "does not fit"
+        return "fits" if self.upper <= self.budget else "tight"
+
+    @property
+    def correct(self) -> bool | None:
+        """A run that ran is wrong only when called `does not fit`; an OOM only when `fits`
+        (a `tight` OOM is listed with its margin)."""
+        if self.verdict is None:
+            return None
+        return self.verdict != ("does not fit" if self.outcome == "ran" else "fits")
 
     @property
     def rel_err(self) -> float | None:
@@ -284,13 +296,17 @@ def summarize(results: list[Result]) -> dict[str, Any]:
     counted = [r for r in results if r.counted and r.error is None]
     ran = [r for r in counted if r.outcome == "ran"]
     oom = [r for r in counted if r.outcome == "oom"]
-    refused = [r.id for r in ran if r.fits is False]
-    accepted = [r.id for r in oom if r.fits is True]
+    refused = [r.id for r in ran if r.verdict == "does not fit"]
+    accepted = [r.id for r in oom if r.verdict == "fits"]
+    tight = {r.id: {"outcome": r.outcome, "margin": r.upper - r.required,
+                    "within_budget_by": r.budget - r.required}
+             for r in counted if r.verdict == "tight"}
     errs = [r.rel_err for r in counted if r.rel_err is not None]
     longest = [r for r in counted if r.longest]
     planned = [r for r in ran if r.plan.get("status") == "plan"]
     return {
         "ran": len(ran), "oom": len(oom), "refused": refused, "accepted": accepted,
+        "tight": tight,
         "errors": [r.id for r in results if r.error],
         "not_counted": [r.id for r in results if not r.counted],
         "median_abs_err": statistics.median(abs(e) for e in errs) if errs else None,
@@ -310,9 +326,9 @@ def _g(b: int | None) -> str:
 def verdict_text(r: Result) -> str:
     if r.error:
         return "error"
-    if r.fits is None:
+    if r.verdict is None:
         return "?"
-    word = "fits" if r.fits else "no"
+    word = r.verdict
     return word if r.correct else f"**{word}** ({'REFUSED' if r.outcome == 'ran' else 'ACCEPTED'})"
 
 
@@ -338,10 +354,14 @@ def markdown(results: list[Result], summary: dict[str, Any]) -> str:
         "",
         "`*` the source does not say which peak it shows (compared with peak_reserved).",
         "",
-        f"- known-working refused: {len(s['refused'])}/{s['ran']}"
+        f"- known-working called `does not fit`: {len(s['refused'])}/{s['ran']}"
         + (f" ({', '.join(s['refused'])})" if s["refused"] else ""),
-        f"- known-OOM accepted: {len(s['accepted'])}/{s['oom']}"
+        f"- known-OOM called `fits`: {len(s['accepted'])}/{s['oom']}"
         + (f" ({', '.join(s['accepted'])})" if s["accepted"] else ""),
+        "- `tight` (the centre within the budget, its margin not): "
+        + ("; ".join(f"{k} ({v['outcome']}): within the budget by "
+                     f"{v['within_budget_by'] / GIB:.2f} GiB, margin {v['margin'] / GIB:.2f} GiB"
+                     for k, v in s.get("tight", {}).items()) or "none"),
         f"- median |error| of the estimate's figure of the published measure: {med} over "
         f"{s['n_err']} rows (worst {worst}); published above the estimate by more than its "
         f"margin: {len(s['under_beyond_band'])}/{s['n_err']}"
@@ -353,7 +373,7 @@ def markdown(results: list[Result], summary: dict[str, Any]) -> str:
         + (f"; no plan for {', '.join(s['no_plan'])}" if s["no_plan"] else ""),
         f"- not counted: {', '.join(s['not_counted']) or 'none'}; errors: "
         f"{', '.join(s['errors']) or 'none'}",
-        f"- bar (<= 1 known-working refused, no known OOM accepted): "
+        "- bar (<= 1 known-working called `does not fit`, no known OOM called `fits`): "
         f"{'met' if s['bar_met'] else 'MISSED'}",
     ]
     return "\n".join(lines)
@@ -374,7 +394,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help="run only rows whose id contains this")
     ap.add_argument("--no-plan", action="store_true", help="skip plan_training (faster)")
     ap.add_argument("--data", default=str(DATA), help="the rows (default: %(default)s)")
+    ap.add_argument("--from-json", metavar="PATH",
+                    help="render the table and summary of an earlier --json run (no estimates)")
     a = ap.parse_args(argv)
+    if a.from_json:
+        names = {f.name for f in fields(Result)}
+        with open(a.from_json) as f:
+            results = [Result(**{k: v for k, v in r.items() if k in names})
+                       for r in json.load(f)["rows"]]
+        print(markdown(results, summarize(results)) + reasons(results))
+        return 0
     rows = [r for r in load_rows(Path(a.data)) if not a.only or a.only in r["id"]]
     if not rows:
         print(f"no row matches {a.only!r}", file=sys.stderr)

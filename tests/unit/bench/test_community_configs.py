@@ -102,3 +102,25 @@ def test_published_configs_build_without_a_download(row):
             assert any(key in a for a in row["assumed"]), f"say what the override of {key} does"
             continue
         assert getattr(config, key) == value, key
+
+
+def test_the_verdict_words_and_what_counts_as_wrong():
+    """The bench's verdicts are hf_memkit's three words, from required, upper and budget: a run
+    that ran is wrong only when called `does not fit`, an OOM only when called `fits`; a
+    `tight` row of either is listed with its margin."""
+    GiB = 2**30
+
+    def row(outcome, required, upper, budget=20 * GiB):
+        return cc.Result("r", outcome, "RTX-4090", 24 * GiB, True, False, required=required,
+                         upper=upper, budget=budget, fits=True)
+
+    assert row("ran", 18 * GiB, 19 * GiB).verdict == "fits"
+    tight = row("ran", 19 * GiB, 21 * GiB)
+    assert tight.verdict == "tight" and tight.correct is True
+    assert row("oom", 19 * GiB, 21 * GiB).correct is True           # tight, not called fits
+    assert row("oom", 18 * GiB, 19 * GiB).correct is False          # an OOM called fits
+    refused = row("ran", 21 * GiB, 22 * GiB)
+    assert refused.verdict == "does not fit" and refused.correct is False
+    s = cc.summarize([tight, refused, row("oom", 25 * GiB, 26 * GiB)])
+    assert s["refused"] == ["r"] and s["accepted"] == [] and s["bar_met"] is True  # 1 allowed
+    assert s["tight"] == {"r": {"outcome": "ran", "margin": 2 * GiB, "within_budget_by": GiB}}
