@@ -260,7 +260,16 @@ def plan_training(model: Any, *, seq_len: int | None = None, target_batch_size: 
                    mean_len=mean_len, max_len=max_len, **constraints)
     req.raise_problems("plan_training")
     # what the trainer brings besides its step is planned around the search (a colocated vLLM)
-    return req.trainer_kind.plan_around(req, _plan, lambda: SpecBook(req, {}).base)
+    base = lambda: SpecBook(req, {}).base  # noqa: E731
+    try:
+        return req.trainer_kind.plan_around(req, _plan, base)
+    except ConfigError:
+        raise
+    except HfMemkitError:
+        # nothing fits with its margin, sequence splits included: a second pass may take a
+        # setup that fits at the centre (tight); where none does, it raises the same error
+        return req.trainer_kind.plan_around(dataclasses.replace(req, allow_tight=True), _plan,
+                                            base)
 
 
 def _plan(req: PlanRequest) -> Plan:

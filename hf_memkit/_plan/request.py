@@ -81,6 +81,9 @@ class PlanRequest:
     # the planner's own split of each sequence over ranks (context or sequence parallelism,
     # ``_plan.sequence``): its non-data-parallel degrees; none by default
     split: ParallelDims = field(default_factory=ParallelDims)
+    # the second pass of plan_training, after no setup fit with its margin (sequence splits
+    # included): the search may then take a setup that fits at the centre (``tight``)
+    allow_tight: bool = False
 
     # -- derived ------------------------------------------------------------------------------
     @property

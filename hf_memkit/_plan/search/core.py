@@ -365,7 +365,7 @@ class Search:
                 self.notes.append("no full fine-tuning setup fits without offloading parameters "
                                   "or optimizer state; falling back to the LoRA family, which "
                                   "trains adapters instead of all weights")
-        tight = tightest(self, candidates)
+        tight = tightest(self, candidates) if self.req.allow_tight else None
         if tight is not None:
             return tight
         self.raise_impossible(candidates)

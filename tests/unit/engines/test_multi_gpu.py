@@ -201,7 +201,10 @@ def test_deepspeed_when_preferred_and_config_checked_by_deepspeed(tmp_path):
         validate_deepspeed_config(cfg, world_size=4)
 
 
-def test_offload_only_as_the_last_rung_and_bounded_by_host_ram():
+def test_offload_only_as_the_last_rung_and_bounded_by_host_ram(monkeypatch):
+    # the classic allocator, the user's choice: expandable segments (a rung before any slower
+    # one) would keep FSDP full shard here
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
     p = plan("Llama-3.1-70B", seq_len=1024, target_batch_size=16, device="A100-80GB",
              num_gpus=8, method="full")
     assert p.chosen.parallel == "fsdp-offload"
@@ -211,7 +214,7 @@ def test_offload_only_as_the_last_rung_and_bounded_by_host_ram():
     assert any("host RAM" in n for n in p.notes)
     with pytest.raises(mk.HfMemkitError, match="host RAM per node"):
         plan("Llama-3.1-70B", seq_len=1024, target_batch_size=16, device="A100-80GB",
-             num_gpus=8, method="full", host_memory="64GiB")
+             num_gpus=8, method="full", host_memory="64GiB", max_memory="76GiB")
 
 
 def test_multi_node_launch_commands():
