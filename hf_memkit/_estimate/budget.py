@@ -42,7 +42,7 @@ def cuda_capacity(dev: DeviceInfo) -> tuple[int, str]:
     less ``DRIVER_RESERVE``. Off NVIDIA's CUDA, the device's total."""
     if dev.kind != "cuda":
         return dev.total_memory, format_bytes(dev.total_memory)
-    if dev.cuda_memory:
+    if dev.cuda_memory and dev.cuda_memory <= dev.total_memory:
         shown = dev.cuda_memory < dev.total_memory
         how = "torch's total in published OOM messages" if dev.source == "catalog" else \
             "torch's total_memory, probed"

@@ -125,6 +125,26 @@ def test_cpu_smoke_degrades_without_rich(tmp_path):
     assert "median |err|" in p.stdout and "┃" not in p.stdout  # the plain-text table
 
 
+@pytest.mark.slow
+def test_cpu_smoke_bisects_a_bisect_case_through_child_processes(tmp_path):
+    """A bisect case under --cpu-smoke: each probe a real child process running the shrunk
+    steps, a capacity below the estimate's own failing with a fake OOM; the search finds that
+    capacity to its resolution, and the record and table carry it."""
+    case = "llama-160m.amp_bf16.adamw_torch_fused.sdpa.ckpt.2steps.bisect.b8s1024"
+    p, doc = _smoke(tmp_path, ("bitsandbytes", "deepspeed", "trl"), case)
+    (rec,) = doc["runs"]
+    assert rec["status"] == "ok" and rec["kind"] == "bisect", rec
+    b = rec["bisect"]
+    assert b["result"] == "found" and b["monotone"] and len(b["probes"]) <= 6
+    assert b["largest_failing"] < b["fake_threshold"] <= b["smallest_completing"]
+    assert b["resolution"] <= b["bounds"]["upper"] - b["bounds"]["lower"]
+    assert {pr["outcome"] for pr in b["probes"]} == {"completed", "oom"}
+    assert all(0 < pr["fraction"] < 1 and pr["seconds"] > 0 for pr in b["probes"])
+    assert b["required"] == rec["estimate"]["to_dict"]["required"]
+    assert abs(b["rel_error"]) <= b["resolution"] / b["smallest_completing"] + 1e-9
+    assert doc["bisect_summary"]["n"] == 1 and "smallest capacity" in p.stdout
+
+
 # ---------------------------------------------------------------------------- real GPU
 
 @pytest.mark.gpu

@@ -185,7 +185,8 @@ def test_a_sharded_stream_is_replayed_on_the_device_with_the_ranks_headroom(
     smallest = probe.required - outside
     rank_reserved = rank + unconstrained.peak_reserved - unconstrained.peak_allocated
     assert rank < smallest < rank_reserved < unconstrained.peak_allocated
-    small = dev.replace(total_memory=outside + (smallest + rank_reserved) // 2)
+    total = outside + (smallest + rank_reserved) // 2
+    small = dev.replace(total_memory=total, cuda_memory=total)   # all of it CUDA's to hand out
     runs.clear()
     est = mk.estimate_memory(cfg, fsdp, seq_len=64, device=small, num_gpus=4,
                              cuda_version="12.8")
