@@ -15,6 +15,8 @@ time (the largest, Qwen2.5-1.5B at 4 x 1024 tokens with checkpointing, does ~50 
 The TRL cases (``trainer="sft"`` / ``"dpo"`` / ``"grpo"``; 57 cases in all since issue 26) need
 ``trl``, the Liger ones ``liger_kernel``;
 each runs only where its needs import, and Liger / TRL activation offloading only on a GPU.
+Six bisect cases come first (``BISECT_CASES``): each finds the smallest allocator capacity at
+which 2 steps complete, one child process a probe (~3.5 minutes for the six, not yet timed).
 """
 
 from __future__ import annotations
@@ -167,6 +169,11 @@ class Case:
                 "(torch.cuda.set_per_process_memory_fraction((required - context) / total)): "
                 "issue #24's fit test says the step completes there, freeing cached blocks "
                 "instead of growing; the run records whether it did (a GPU only)."})
+    bisect: bool = field(default=False, metadata={
+        "help": "Find on the GPU the smallest allocator capacity at which the steps complete: "
+                "each probe a child process capped with torch.cuda.set_per_process_memory_"
+                "fraction, bisected between bounds from the estimate (bench/_gpu_bisect.py); "
+                "recorded next to the estimate's `required`."})
     load: str = field(default="config", metadata={
         "help": "One of LOADS: 'config' builds the random model on the device (from_config); "
                 "'pretrained' saves it to a temporary folder and loads it with "
@@ -203,8 +210,11 @@ class Case:
             problems.append(f"load `{self.load}` not in {LOADS}")
         elif self.load == "pretrained" and self.method == "qlora":
             problems.append("a qlora case loads with from_pretrained already: keep load 'config'")
-        if self.steps < 2:
-            problems.append("steps must be >= 2 (step 1 is warm-up, steps 2.. are measured)")
+        problems += [why for bad, why in (
+            (self.bisect and self.at_required,
+             "bisect searches the capacity that at_required fixes: not both"),
+            (self.steps < 2, "steps must be >= 2 (step 1 is warm-up, steps 2.. are measured)"))
+            if bad]
         if problems:
             raise ValueError(f"bad case {self}: " + "; ".join(problems))
 
@@ -244,6 +254,8 @@ class Case:
             parts.append(f"{self.steps}steps")
         if self.at_required:
             parts.append("at-required")
+        if self.bisect:
+            parts.append("bisect")
         if self.load != "config":
             parts.append(self.load)
         shape = f"b{self.batch}s{self.seq_len}" + (f"t{self.target_len}" if self.target_len else "") \
@@ -261,6 +273,7 @@ class Case:
                 "target": self.target_len or "-", "stage": self.stage, "steps": self.steps,
                 "liger": "on" if self.liger else "off",
                 "trl_offload": "on" if self.trl_offload else "off", "load": self.load,
+                "bisect": "on" if self.bisect else "off",
                 "attn_dropout": MODELS[self.model].attention_dropout(),
                 "needs": ",".join(self.needs) or "-"}
 
@@ -290,7 +303,29 @@ def _c(model: str, precision: str, optim: str = "adamw_torch", **kw: Any) -> Cas
 FB = {"stage": "forward_backward"}
 T5_SHAPE = {"seq_len": 512, "target_len": 128, "attn": None}  # T5: the model's own attention
 
+# The bisect cases come first, so that a cut run never loses them: each finds, on the GPU, the
+# smallest allocator capacity at which 2 steps complete (5 probes of ~5-6 s each, one child
+# process each, plus at most one probe of a bound: ~30-40 s a case, ~3.5 minutes for the six),
+# recorded next to the estimate's `required`. Small models and 2 steps keep each probe short.
+BISECT = {"bisect": True, "steps": 2}
+BISECT_CASES: tuple[Case, ...] = (
+    # plain fp32 (reserved 5% over allocated on the H200)
+    _c("llama-160m", "fp32", **BISECT),
+    # AMP bf16 with checkpointing; its at-required case completed at the estimate's required
+    _c("llama-160m", "amp_bf16", "adamw_torch_fused", batch=8, ckpt=True, **BISECT),
+    # LoRA: few trainable parameters, activations dominate
+    _c("llama-160m", "amp_bf16", batch=8, method="lora", **BISECT),
+    # GQA Qwen2 (14/2 heads), a 152k vocabulary: the logits and the loss dominate the peak
+    _c("qwen2-0.5b", "amp_bf16", "adamw_torch_fused", **BISECT),
+    # accumulation: 4 micro-batches a step, gradients held across them
+    _c("llama-160m", "amp_bf16", accum=4, seq_len=512, **BISECT),
+    # large fragmentation: reserved 28% over allocated, 11% over the estimate's peak_reserved on
+    # the H200 (its at-required case asks whether the step completes at `required`)
+    _c("qwen2-0.5b", "pure_bf16", "adafactor", **BISECT),
+)
+
 CASES: tuple[Case, ...] = (
+    *BISECT_CASES,
     # llama-160m: every precision, both attentions, checkpointing, accumulation, 3 optimizers
     _c("llama-160m", "fp32"),
     _c("llama-160m", "fp32", attn="eager", seq_len=512),

@@ -145,6 +145,13 @@ def progress_line(i: int, n: int, rec: dict[str, Any]) -> str:
     head = f"[{i:2d}/{n}] {rec['id']:<62s} {rec['status']:<7s}"
     if rec["status"] != "ok":
         return f"{head} {rec.get('error') or ''}"
+    if rec.get("kind") == "bisect":
+        b = rec["bisect"]
+        return (f"{head} {rec['seconds']:5.1f}s bisect {b['result']} in {len(b['probes'])} "
+                f"probes: capacity {_mib_fine(b['smallest_completing'])} MiB "
+                f"(+-{_mib_fine(b['resolution'])}) + context {_mib_fine(b['context_measured'])}"
+                f" = {_mib_fine(b['found_device'])} MiB; required {_mib_fine(b['required'])} MiB "
+                f"({_pct(b['rel_error'])})")
     meas, pred, err = measured_values(rec), predicted_values(rec), rec.get("rel_error") or {}
     cols = " ".join(f"{k} {_mib(meas[k])}/{_mib(pred[k])} MiB ({_pct(err.get(k))})"
                     for k in METRICS)
@@ -152,3 +159,88 @@ def progress_line(i: int, n: int, rec: dict[str, Any]) -> str:
     flags = " ".join(f"{k}={v}" for k, v in (rec.get("flags") or {}).items())
     return (f"{head} {rec['seconds']:5.1f}s {cols}" + (f"  estimate: {est_err[:80]}" if est_err
                                                        else "") + (f"  [{flags}]" if flags else ""))
+
+
+# ---------------------------------------------------------------------------- bisect cases
+def probe_line(case_id: str, p: dict[str, Any]) -> str:
+    """One probe of a bisect case, as it ends."""
+    return (f"      probe {case_id[:56]:<56s} capacity {_mib(p['capacity'])} MiB "
+            f"({p['fraction']:.4f}): {p['outcome']:<9s} {p['seconds']:5.1f}s"
+            + (f"  {p['error'][:100]}" if p.get("error") else ""))
+
+
+def _bisected(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if r.get("kind") == "bisect"]
+
+
+def bisect_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over the bisect cases that found a capacity: n, the median and worst (largest
+    magnitude) of required / (capacity + context) - 1, how many under-predict (error < 0,
+    within the bracket's resolution or not) and in how many the probes show the step does not
+    complete at required's capacity (``fails_at_required``); the results' counts."""
+    b = [r for r in _bisected(records) if r.get("bisect")]
+    errs = [r["bisect"]["rel_error"] for r in b if r["bisect"]["result"] == "found"
+            and r["bisect"]["rel_error"] is not None]
+    results = [r["bisect"]["result"] for r in b]
+    return {"cases": len(_bisected(records)), "n": len(errs),
+            "median": statistics.median(errs) if errs else None,
+            "worst": max(errs, key=abs) if errs else None, "under": sum(e < 0 for e in errs),
+            "fails_at_required": sum(r["bisect"].get("required_completes") is False for r in b),
+            "results": {k: results.count(k) for k in sorted(set(results))},
+            "probes": sum(len(r["bisect"]["probes"]) for r in b),
+            "seconds": round(sum(r.get("seconds") or 0 for r in _bisected(records)), 1)}
+
+
+BISECT_HEADER = ["case", "result", "probes", "capacity", "+-", "context", "cap+ctx",
+                 "required", "req err", "err (outside)", "device_used", "upper", "margin"]
+BISECT_TITLE = ("smallest capacity at which the step completes (bisected; MiB): required / "
+                "(capacity + measured context) - 1")
+
+
+def _mib_fine(x: int | None) -> str:
+    """MiB, with two decimals below 100 MiB (the shrunk models of --cpu-smoke)."""
+    return "-" if x is None else f"{x / 2**20:.0f}" if x >= 100 * 2**20 else f"{x / 2**20:.2f}"
+
+
+def bisect_rows(records: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for r in _bisected(records):
+        b = r.get("bisect")
+        if not b:
+            rows.append([r["id"], r["status"]] + ["-"] * (len(BISECT_HEADER) - 2))
+            continue
+        rows.append([r["id"], b["result"], str(len(b["probes"])),
+                     *map(_mib_fine, (b["smallest_completing"], b["resolution"],
+                                      b["context_measured"], b["found_device"], b["required"])),
+                     _pct(b["rel_error"]), _pct(b.get("rel_error_outside")),
+                     *map(_mib_fine, (b["device_used"], b["upper"], b["margin"]))])
+    return rows
+
+
+def render_bisect(records: list[dict[str, Any]]) -> str:
+    """The bisect cases' table as plain text ("" without any)."""
+    if not _bisected(records):
+        return ""
+    rows = [BISECT_HEADER, *bisect_rows(records)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(BISECT_HEADER))]
+    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                       for i, (c, w) in enumerate(zip(r, widths, strict=True))) for r in rows]
+    return "\n".join([BISECT_TITLE, *lines])
+
+
+def print_bisect(records: list[dict[str, Any]]) -> None:
+    """With rich where it is installed, plain text otherwise; nothing without bisect cases."""
+    if not _bisected(records):
+        return
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(render_bisect(records))
+        return
+    t = Table(title=BISECT_TITLE)
+    for i, col in enumerate(BISECT_HEADER):
+        t.add_column(col, justify="left" if i < 2 else "right")
+    for row in bisect_rows(records):
+        t.add_row(*row)
+    Console(width=200).print(t)

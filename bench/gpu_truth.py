@@ -48,9 +48,23 @@ for 8-bit AdamW and QLoRA, ``trl`` for ``trainer="sft"`` / ``"dpo"``, ``liger_ke
 ``max_length = seq_len``, SFT rows of ``seq_len`` pre-tokenized tokens, DPO pairs whose prompt +
 chosen is ``seq_len`` tokens (rejected one shorter), DPO's reference the LoRA policy's own
 adapters, else a frozen copy.
+Bisect cases (``Case(bisect=True)``, first in the matrix; ``--only .bisect.``) measure the
+smallest allocator capacity at which the case's steps complete, next to the estimate's
+``required`` (``bench/_gpu_bisect.py``): the parent bisects the capacity between bounds from the
+estimate (peak_allocated less 5%; the larger of upper and device_used + 10%, less context), each
+probe a child process (``--probe-one``, a clean context) that caps the allocator with
+``torch.cuda.set_per_process_memory_fraction(capacity / total_memory)`` for the whole run; an
+OOM (or the probe's ``--probe-timeout``) is "does not complete". The fraction limits the
+allocator's reserved bytes, not the CUDA context: the capacity found is compared with
+``required`` after adding the context the probes measured (NVML after CUDA init less before)
+and, apart, what their process held beyond the allocator at its peak (device_used less
+max_reserved); every raw value is recorded (the probes' capacities, fractions and outcomes,
+the bracket, the estimate's required / device_used / upper / margin). ``--bisect-probes``
+(default 5; plus at most one probe of a bound) and ``--bisect-confirm`` set the search.
 ``--cpu-smoke`` runs the selected cases shrunk, on the CPU, to check the plumbing (tests only:
 its measurements are zeros); it records Liger and TRL activation-offloading cases as skipped
-(Triton kernels; ``OffloadActivations`` needs an accelerator).
+(Triton kernels; ``OffloadActivations`` needs an accelerator). A bisect case's probes run the
+same search there, a capacity below the estimate's own failing with a fake OOM.
 """
 
 from __future__ import annotations
@@ -81,6 +95,18 @@ for _p in (str(ROOT), str(BENCH)):  # hf_memkit from this checkout, no install n
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from _gpu_bisect import (  # noqa: E402
+    COMPLETED,
+    ERROR,
+    GRANULARITY,
+    OOM,
+    PROBES,
+    TIMEOUT,
+    bisect_capacity,
+    compare,
+    outside_allocator,
+    search_bounds,
+)
 from _gpu_cases import MODELS, PRECISION_ARGS, Case, select  # noqa: E402
 from _gpu_facts import (  # noqa: E402
     case_flags,
@@ -95,11 +121,15 @@ from _gpu_nvml import PeakSampler, open_nvml, pin_device, reader_processes  # no
 from _gpu_report import (  # noqa: E402,F401  (the tests read them here)
     METRICS,
     _jsonable,
+    bisect_summary,
     measured_values,
     predicted_values,
+    print_bisect,
     print_summary,
+    probe_line,
     progress_line,
     rel_errors,
+    render_bisect,
     render_summary,
     result_filename,
     sanitize,
@@ -608,27 +638,50 @@ def estimate(case: Case, smoke: bool, device: dict[str, Any] | None = None,
                 "seconds": time.perf_counter() - t0}
 
 
+def capped(case: Case, nvml: Any, context: dict[str, Any], capacity: int, smoke: bool,
+           fake_threshold: int | None = None) -> dict[str, Any]:
+    """``measure`` with the caching allocator capped at ``capacity`` bytes of reserved memory:
+    ``torch.cuda.set_per_process_memory_fraction(capacity / total_memory)`` for the whole run
+    (model build included), reset after it. The fraction bounds what the allocator reserves
+    (its segments), not the CUDA context. Out of memory: ``CaseOOM``.
+
+    ``--cpu-smoke`` (no allocator to cap): the shrunk run is measured on the CPU, then a capacity
+    below ``fake_threshold`` raises a fake ``torch.OutOfMemoryError`` through the same
+    ``CaseOOM`` record, so the bisection's plumbing runs end to end."""
+    import torch
+
+    if smoke:
+        out = measure(case, nvml, context, True)
+        if fake_threshold is not None and capacity < fake_threshold:
+            exc = torch.OutOfMemoryError(
+                f"CUDA out of memory (--cpu-smoke's fake OOM: a capacity of {capacity} B is "
+                f"below the fake threshold of {fake_threshold} B)")
+            raise CaseOOM(oom_facts(exc, snapshot=out["steady"], window=None, nvml_peak=None,
+                                    baseline=None, during=f"step {case.steps} of {case.steps}"))
+        return out
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, capacity / total), 0)
+    try:
+        return measure(case, nvml, context, False)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+
+
 def at_required(case: Case, nvml: Any, context: dict[str, Any], est: dict[str, Any]
                 ) -> dict[str, Any]:
     """The run with the caching allocator capped at the estimate ``est``'s ``required`` less the
     context: the fit test of issue #24 says it completes (the allocator frees cached blocks and
     retries before an OOM). An OOM is the result, not a failure of the harness."""
-    import torch
-
     if "error" in est:
         return {"at_required": None, "estimate_error": est["error"]}
     d = est["to_dict"]
-    total = torch.cuda.get_device_properties(0).total_memory
     cap = d["required"] - d["breakdown"].get("context", 0)
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), 0)
     try:
-        out = measure(case, nvml, context, False)
+        out = capped(case, nvml, context, cap, False)
         out["at_required"] = {"completed": True, "capacity": cap}
     except CaseOOM as oom:
         out = {**oom.record, "at_required": {"completed": False, "capacity": cap,
                                              "oom": oom.record["oom"]["error"]}}
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, 0)
     return out
 
 
@@ -660,6 +713,23 @@ def run_one(case: Case, smoke: bool, ready: dict[str, Any] | None = None) -> Non
     try:
         emit("measured", at_required(case, nvml, context, est) if case.at_required and not smoke
              else measure(case, nvml, context, smoke))
+    except CaseOOM as oom:
+        emit("oom", oom.record)
+    nvml.close()
+
+
+def probe_one(case: Case, capacity: int, smoke: bool, fake_threshold: int | None = None
+              ) -> None:
+    """Child entry of a bisect case's probe: the context, then the case's steps with the
+    allocator capped at ``capacity`` (``capped``); ``measured`` if they complete, ``oom`` if
+    not. No estimate: the parent made it once for the case."""
+    case = shrunk(case, smoke)
+    nvml = open_nvml(0, smoke=smoke)
+    context = init_cuda(nvml, smoke)
+    emit("context", context)
+    gc.collect()
+    try:
+        emit("measured", capped(case, nvml, context, capacity, smoke, fake_threshold))
     except CaseOOM as oom:
         emit("oom", oom.record)
     nvml.close()
@@ -824,6 +894,97 @@ def run_case(case: Case, *, timeout: float, smoke: bool = False,
     return rec
 
 
+OOM_TEXT = ("out of memory", "outofmemoryerror", "cublas_status_alloc_failed")
+
+
+def probe_capacity(case: Case, capacity: int, *, total: int, timeout: float, smoke: bool,
+                   pin: str | None = None, fake_threshold: int | None = None
+                   ) -> dict[str, Any]:
+    """One probe of a bisect case: a child process (``--probe-one``) runs the case's steps with
+    the allocator capped at ``capacity``. ``outcome``: ``completed``, ``oom`` (also a child that
+    died of an out-of-memory error it did not record, e.g. cuBLAS's ALLOC_FAILED), ``timeout``
+    (after ``timeout`` s) or ``error``; with what the child measured."""
+    flag = ["--probe-one", json.dumps(case.to_dict()), "--capacity", str(capacity)]
+    if fake_threshold is not None:
+        flag += ["--fake-threshold", str(fake_threshold)]
+    parts, rc, stderr, secs = run_child(flag, timeout=timeout, smoke=smoke, pin=pin)
+    m, oom = parts.get("measured"), parts.get("oom")
+    outcome = (COMPLETED if m else OOM if oom else TIMEOUT if rc is None
+               else OOM if any(t in stderr.lower() for t in OOM_TEXT) else ERROR)
+    steady = (m or {}).get("steady") or (oom or {}).get("peak_so_far") or {}
+    error = (oom["oom"]["error"] if oom else f"timed out after {timeout:.0f} s"
+             if outcome == TIMEOUT else None if m else _error_line(stderr))
+    rec: dict[str, Any] = {
+        "capacity": capacity, "fraction": capacity / total, "outcome": outcome,
+        "seconds": round(secs, 2), "returncode": rc,
+        "context_bytes": (parts.get("context") or {}).get("context_bytes"),
+        **{k: steady.get(k) for k in ("max_allocated", "max_reserved", "num_alloc_retries",
+                                      "num_ooms")},
+        "whole_run": (m or {}).get("whole_run") or (oom or {}).get("whole_run_so_far"),
+        "device_used": (m or {}).get("device_used") if m else (oom or {}).get("device_used_so_far"),
+        "oom_during": (oom or {}).get("oom", {}).get("during"), "error": error}
+    rec["outside_allocator"] = outside_allocator(rec)  # context + what came after it
+    if outcome == ERROR or (outcome == OOM and not oom):
+        rec["stderr_tail"] = stderr[-2000:]
+    if "context" in parts:
+        rec["_context"] = parts["context"]  # the first probe's goes into the record
+    print(probe_line(case.id, rec), flush=True)
+    return rec
+
+
+def run_bisect_case(case: Case, env: dict[str, Any], a: argparse.Namespace, *,
+                    pin: dict[str, Any] | None = None, ready: dict[str, Any] | None = None
+                    ) -> dict[str, Any]:
+    """A bisect case: the smallest allocator capacity at which its steps complete, found by
+    ``bisect_capacity`` over one child process a probe (``probe_capacity``), between bounds
+    from the estimate (``search_bounds``), and set beside the estimate's ``required``
+    (``compare``: the capacity plus the measured context). The estimate is ``ready`` (made
+    ahead) or made now in a process that sees no GPU. Under ``--cpu-smoke`` a capacity below
+    the estimate's own (``required`` less its context) fails with a fake OOM, so the search
+    should find that, to its resolution."""
+    t0 = time.perf_counter()
+    rec: dict[str, Any] = {"id": case.id, "family": case.family, "case": case.to_dict(),
+                           "kind": "bisect", "status": "error", "error": None,
+                           "gpu": {k: (pin or {}).get(k) for k in ("uuid", "name")},
+                           "context": None, "measured": None, "estimate": ready,
+                           "flags": {}, "rel_error": {}, "bisect": None}
+    if ready is None:
+        rec["estimate"] = (estimate_ahead(case, env["device"], timeout=a.timeout,
+                                          smoke=a.cpu_smoke) if env.get("device") else
+                           {"error": "the probe recorded no device to estimate for"})
+    est = rec["estimate"]
+    if "error" in est:
+        rec["error"] = f"no estimate, no bounds to bisect between: {est['error'][:300]}"
+        rec["seconds"] = round(time.perf_counter() - t0, 2)
+        return rec
+    total = env.get("total_memory") or est["to_dict"]["device"]["total_memory"]
+    bounds = search_bounds(est, total, granularity=1 if a.cpu_smoke else GRANULARITY)
+    fake = None
+    if a.cpu_smoke:  # the fake OOM's threshold: the estimate's own capacity, inside the bracket
+        fake = min(bounds["upper"], max(bounds["lower"] + 1, est["to_dict"]["required"]
+                                        - bounds["estimate_context"]))
+    search = bisect_capacity(
+        lambda cap: probe_capacity(case, cap, total=total, timeout=a.probe_timeout,
+                                   smoke=a.cpu_smoke, fake_threshold=fake,
+                                   pin=(pin or {}).get("cuda_visible_devices")),
+        bounds["lower"], bounds["upper"], probes=a.bisect_probes,
+        resolution=bounds["target_resolution"], granularity=bounds["granularity"],
+        confirm=a.bisect_confirm)
+    contexts = [p.pop("_context", None) for p in search["probes"]]
+    rec["context"] = next((c for c in contexts if c is not None), None)
+    found = search["smallest_completing"]
+    rec["bisect"] = {**search, "bounds": bounds, "probe_timeout": a.probe_timeout,
+                     "fake_threshold": fake,
+                     "smallest_completing_fraction": found / total if found else None,
+                     **compare(search, est, [(c or {}).get("context_bytes") for c in contexts])}
+    rec["status"] = "error" if search["result"] == ERROR else "ok"
+    if rec["status"] == "error":
+        last = search["probes"][-1]
+        rec["error"] = f"a probe failed (not an OOM): {last.get('error')}"
+    rec["seconds"] = round(time.perf_counter() - t0, 2)
+    return rec
+
+
 def _error_line(stderr: str) -> str:
     lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
     errs = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception)\b", ln.strip())]
@@ -870,6 +1031,8 @@ def list_cases(cases: list[Case]) -> None:
     gpu_only = sum(cpu_smoke_skip(c) is not None for c in cases)
     print(f"{counts}; {gpu_only} (Liger, TRL activation offloading) run only on a GPU, never "
           "under --cpu-smoke")
+    print(f"{sum(c.bisect for c in cases)} bisect cases (the smallest capacity at which the "
+          "step completes, by bisection; one child process a probe)")
 
 
 def check_pin(pin: dict[str, Any], context: dict[str, Any]) -> str | None:
@@ -948,9 +1111,11 @@ def run_matrix(cases: list[Case], a: argparse.Namespace) -> int:
         missing, why = skip(case)
         ready = ahead[case.id].result() if case.id in ahead else None
         rec = (skipped_record(case, missing, reason=why) if missing or why
+               else run_bisect_case(case, env, a, pin=pin, ready=ready) if case.bisect
                else run_case(case, timeout=a.timeout, smoke=a.cpu_smoke, pin=pin, ready=ready))
         doc["runs"].append(rec)
         doc["summary"], doc["elapsed_s"] = summarise(doc["runs"]), round(time.perf_counter() - t0)
+        doc["bisect_summary"] = bisect_summary(doc["runs"])
         write_json(path, doc)
         print(progress_line(i, len(cases), rec), flush=True)
     if pool is not None:
@@ -958,6 +1123,7 @@ def run_matrix(cases: list[Case], a: argparse.Namespace) -> int:
     doc["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     write_json(path, doc)
     print_summary(doc["summary"])
+    print_bisect(doc["runs"])
     counts = {s: sum(r["status"] == s for r in doc["runs"])
               for s in ("ok", "oom", "error", "timeout", "skipped")}
     print(f"{counts} in {time.perf_counter() - t0:.0f} s; wrote {path}")
@@ -986,7 +1152,18 @@ def parser() -> argparse.ArgumentParser:
                     "while the cases run one by one (default 0: each case's process makes its "
                     "own estimate first); the estimate was 57%% of a case's time on an H200, so "
                     "on a machine with many cores the matrix takes about half as long")
+    ap.add_argument("--probe-timeout", type=float, default=60.0, metavar="S",
+                    help="seconds per probe of a bisect case before its process is killed (a "
+                    "timed-out probe counts as not completing; default 60)")
+    ap.add_argument("--bisect-probes", type=int, default=PROBES, metavar="N",
+                    help="bisection probes per bisect case (each a child process, ~5-6 s on a "
+                    f"GPU), plus at most one probe of a bound (default {PROBES})")
+    ap.add_argument("--bisect-confirm", type=int, default=0, metavar="N",
+                    help="re-probe a bisect case's found capacity up to N times (default 0)")
     ap.add_argument("--run-one", metavar="JSON", help=argparse.SUPPRESS)
+    ap.add_argument("--probe-one", metavar="JSON", help=argparse.SUPPRESS)
+    ap.add_argument("--capacity", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--fake-threshold", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--estimate-one", metavar="JSON", help=argparse.SUPPRESS)
     ap.add_argument("--device-json", metavar="JSON", help=argparse.SUPPRESS)
     ap.add_argument("--estimate-file", metavar="PATH", help=argparse.SUPPRESS)
@@ -1000,12 +1177,19 @@ def main(argv: list[str] | None = None) -> int:
         ready = json.loads(Path(a.estimate_file).read_text()) if a.estimate_file else None
         run_one(Case.from_dict(json.loads(a.run_one)), a.cpu_smoke, ready)
         return 0
+    if a.probe_one:
+        probe_one(Case.from_dict(json.loads(a.probe_one)), a.capacity, a.cpu_smoke,
+                  a.fake_threshold)
+        return 0
     if a.estimate_one:
         case = shrunk(Case.from_dict(json.loads(a.estimate_one)), a.cpu_smoke)
         emit("estimate", estimate(case, a.cpu_smoke, device=json.loads(a.device_json)))
         return 0
     if a.estimate_workers < 0:
         print(f"--estimate-workers must be 0 or more, got {a.estimate_workers}")
+        return 2
+    if a.bisect_probes < 0 or a.bisect_confirm < 0:
+        print("--bisect-probes and --bisect-confirm must be 0 or more")
         return 2
     if a.probe:
         probe(a.cpu_smoke)
