@@ -121,20 +121,27 @@ def render_summary(summary: dict[str, dict[str, Any]]) -> str:
     return "\n".join([SUMMARY_TITLE, *lines])
 
 
-def print_summary(summary: dict[str, dict[str, Any]]) -> None:
-    """With rich where it is installed, plain text otherwise."""
+def _print_table(title: str, header: list[str], rows: list[list[str]], plain: str,
+                 left: int = 1, width: int = 120) -> None:
+    """``rows`` as a rich table (its first ``left`` columns left-aligned) where rich is
+    installed, else ``plain``."""
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        print(render_summary(summary))
+        print(plain)
         return
-    t = Table(title=SUMMARY_TITLE)
-    for i, col in enumerate(SUMMARY_HEADER):
-        t.add_column(col, justify="left" if i == 0 else "right")
-    for row in summary_rows(summary):
+    t = Table(title=title)
+    for i, col in enumerate(header):
+        t.add_column(col, justify="left" if i < left else "right")
+    for row in rows:
         t.add_row(*row)
-    Console(width=120).print(t)
+    Console(width=width).print(t)
+
+
+def print_summary(summary: dict[str, dict[str, Any]]) -> None:
+    """With rich where it is installed, plain text otherwise."""
+    _print_table(SUMMARY_TITLE, SUMMARY_HEADER, summary_rows(summary), render_summary(summary))
 
 
 def _mib(x: int | None) -> str:
@@ -232,15 +239,5 @@ def print_bisect(records: list[dict[str, Any]]) -> None:
     """With rich where it is installed, plain text otherwise; nothing without bisect cases."""
     if not _bisected(records):
         return
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        print(render_bisect(records))
-        return
-    t = Table(title=BISECT_TITLE)
-    for i, col in enumerate(BISECT_HEADER):
-        t.add_column(col, justify="left" if i < 2 else "right")
-    for row in bisect_rows(records):
-        t.add_row(*row)
-    Console(width=200).print(t)
+    _print_table(BISECT_TITLE, BISECT_HEADER, bisect_rows(records), render_bisect(records),
+                 left=2, width=200)

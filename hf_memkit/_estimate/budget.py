@@ -2,8 +2,9 @@
 
 docs/fitting.md, the budget: budget = ``max_memory`` if given; else what CUDA hands out
 (``cuda_capacity``: NVML's total less the driver's reserve) ``x (1 - headroom)``, and no more
-than ``free_memory + own_memory`` (what is free plus what this process already holds there) when the device is the one this process runs on; on CUDA, no more than
-``per_process_memory_fraction`` of the device (``allocator_limit``).
+than ``free_memory + own_memory`` (what is free plus what this process already holds there)
+when the device is the one this process runs on; on CUDA, no more than
+``per_process_memory_fraction`` of what CUDA hands out (``allocator_limit``).
 What must fit is ``MemoryEstimate.upper``: what the step needs (``required``: the caching
 allocator frees its cached blocks and retries before an OOM) plus the margin of its uncertain
 terms.

@@ -30,7 +30,7 @@ from ..cost import Shape, cost
 from ..emit import ArgsContext, training_args
 from ..request import PlanRequest
 from ..space import Candidate, SpecBook, rung_of, user_optimizer
-from .edges import allocator_of, expandable, order, say_offload, tightest
+from .edges import allocator_of, expandable, host_short, order, say_offload, tightest
 
 
 def _at_forward(rs) -> int:
@@ -217,8 +217,7 @@ class Search:
         host = est.host_offloaded * (self.req.ranks // self.req.nodes)
         # what must fit is what the step needs (the allocator freeing its cache before an
         # OOM) plus the margin of its uncertain terms
-        c.fits = est.upper <= self.budget and not est.refusals and (
-            self.host_budget is None or host <= self.host_budget)
+        c.fits = est.upper <= self.budget and not est.refusals and not host_short(self, c)
         if c.fits and id(c) in self._pool and not est.lower_bound:
             self._fastest_fit = min(order(c), self._fastest_fit or order(c))
         if not c.fits and est.refusals:
