@@ -36,7 +36,7 @@ optional; ``Recipe.schema()`` gives the same table with defaults)::
     output_dir: outputs/my-run
 
 Relative paths in ``model``/``data`` are relative to the recipe file; ``output_dir`` is
-relative to the working directory.
+relative to the working directory and stays inside it (an absolute one needs ``--output-dir``).
 
 Modules: ``schema`` (``Recipe``, its key table), ``load`` (``load_recipe``, bundled recipes),
 ``checker`` (``Checker``: every problem as ``WHERE: KEY: message``), ``validate`` (one check per

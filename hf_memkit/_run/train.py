@@ -239,7 +239,8 @@ def check_run_writes(recipe: Recipe, *, output_dir: str | None = None, overwrite
     out, key = ((output_dir, "--output-dir") if output_dir else
                 (recipe.output_dir, f"{where}: output_dir") if recipe.output_dir else
                 (os.path.join("outputs", recipe.name), f"{where}: output_dir (default)"))
-    problems = writes.output_dir_problems(out, key=key, overwrite=overwrite)
+    problems = writes.output_dir_problems(out, key=key, overwrite=overwrite,
+                                          shared=not output_dir)
     problems += writes.outbound_problems(recipe.pins, where=where, push_to_hub=push_to_hub,
                                          report_to=services)
     if problems:

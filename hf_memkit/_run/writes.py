@@ -2,8 +2,11 @@
 the command line says so. Checked before any heavy work (no plan, no model).
 
 * ``output_dir`` (the recipe's, ``--output-dir``, or ``train_recipe(output_dir=...)``): a
-  relative path stays inside the working directory (one whose ``../`` climbs out is refused: an
-  absolute path says where, explicitly); an existing directory that is not empty is refused
+  relative path stays inside the working directory once resolved, links included (one whose
+  ``../`` or a symlinked folder leads out is refused: an absolute path says where, explicitly);
+  an absolute path (``~`` included) is the user's own choice only: a recipe is a shared file,
+  so its absolute ``output_dir`` is refused unless ``--output-dir`` names it; an existing
+  directory that is not empty is refused
   unless ``overwrite`` (the run writes ``config.json``, the weights and its reports over files of
   the same name, another model's included); and it must be writable (a probe file in it, or in
   the nearest folder that exists, is created and removed).
@@ -22,7 +25,7 @@ import os
 import tempfile
 from typing import Any
 
-from .._errors import ConfigError, did_you_mean, quoted
+from .._errors import ConfigError, did_you_mean, excerpt, quoted
 
 # the config fields that configure a push to the Hub (transformers' "Hub Integration" block)
 HUB_FIELDS = ("push_to_hub", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo",
@@ -32,16 +35,30 @@ SHOWN_ENTRIES = 5   # a non-empty directory's entries named in the refusal
 
 # -- output_dir ---------------------------------------------------------------------------------
 
-def output_dir_problems(path: str, *, key: str, overwrite: bool = False) -> list[str]:
+def output_dir_problems(path: str, *, key: str, overwrite: bool = False,
+                        shared: bool = False) -> list[str]:
+    """Why the run may not write to ``path`` (``key``: how messages name it). ``shared``: the
+    path comes from a file others write (a recipe), so only a relative path inside the working
+    directory is honoured; an absolute one needs the user's ``--output-dir``."""
     if not isinstance(path, str) or not path.strip():
-        return [f"{key}: expected a directory path, got {path!r}"]
-    path = os.path.expanduser(path)
-    cwd = os.getcwd()
+        return [f"{key}: expected a directory path, got {quoted(path)}"]
+    if "\0" in path:
+        return [f"{key}: {quoted(path)} holds a NUL character; give a directory path"]
+    typed, path = path, os.path.expanduser(path)
+    if shared and os.path.isabs(path):
+        return [f"{key}: `{excerpt(typed)}` is an absolute path; a recipe is a shared file and "
+                "writes only inside the working directory: to train into that folder, say so "
+                f"yourself with --output-dir {excerpt(path)} (train_recipe(..., output_dir=...)), "
+                "or give a relative output_dir"]
+    cwd = os.path.realpath(os.getcwd())
     full = os.path.normpath(os.path.join(cwd, path))
-    if not os.path.isabs(path) and os.path.commonpath([cwd, full]) != cwd:
-        return [f"{key}: `{path}` resolves to {full}, outside the working directory {cwd}; a "
-                "relative output directory stays inside it: to write there, give the absolute "
-                f"path ({full})"]
+    real = os.path.realpath(full)
+    if not os.path.isabs(path) and os.path.commonpath([cwd, real]) != cwd:
+        via = "" if real == full else " through a symbolic link"
+        return [f"{key}: `{excerpt(path)}` resolves{via} to {real}, outside the working directory "
+                f"{cwd}; a relative output directory stays inside it: to write there, give the "
+                f"absolute path ({real})"]
+    full = real
     if os.path.exists(full) and not os.path.isdir(full):
         return [f"{key}: `{path}` is a file, not a directory; choose another output directory"]
     if os.path.isdir(full) and not overwrite:

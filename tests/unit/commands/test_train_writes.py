@@ -144,3 +144,34 @@ def test_an_unwritable_output_dir_exits_2_before_the_plan(in_tmp, no_plan, capsy
     code, err = cli(["train", recipe(in_tmp), "--output-dir", locked], capsys)
     assert code == 2 and "Traceback" not in err
     assert f"cannot write to `{locked}`" in err and "choose a directory you can write to" in err
+
+
+def test_a_recipes_absolute_output_dir_needs_the_users_flag(in_tmp, no_plan, capsys):
+    target = in_tmp / "elsewhere" / "run"
+    code, err = cli(["train", recipe(in_tmp, output_dir=str(target))], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert f"r.yaml: output_dir: `{target}` is an absolute path; a recipe is a shared file" in err
+    assert f"--output-dir {target}" in err
+    assert not target.parent.exists()                    # nothing created
+    code, err = cli(["train", recipe(in_tmp, output_dir="~/.config/autostart/x")], capsys)
+    assert code == 2 and "`~/.config/autostart/x` is an absolute path" in err
+    # the user's own flag (or argument) names it: allowed
+    r = load_recipe(recipe(in_tmp, output_dir=str(target)))
+    assert check_run_writes(r, output_dir=str(target))["output_dir"] == str(target)
+
+
+def test_a_symlinked_output_dir_is_resolved_before_the_check(in_tmp, no_plan, capsys):
+    outside = in_tmp.parent / f"{in_tmp.name}_outside"
+    outside.mkdir()
+    (in_tmp / "runs").symlink_to(outside, target_is_directory=True)
+    for in_recipe, flag in (("runs/a", []), (None, ["--output-dir", "runs/a"])):
+        code, err = cli(["train", recipe(in_tmp, output_dir=in_recipe), *flag], capsys)
+        assert code == 2 and "Traceback" not in err
+        assert f"`runs/a` resolves through a symbolic link to {outside / 'a'}" in err
+        assert f"give the absolute path ({outside / 'a'})" in err
+    assert list(outside.iterdir()) == []
+    # a link that stays inside the working directory is fine
+    (in_tmp / "real").mkdir()
+    (in_tmp / "inside").symlink_to(in_tmp / "real", target_is_directory=True)
+    assert check_run_writes(load_recipe(recipe(in_tmp, output_dir="inside/a")))["output_dir"] \
+        == "inside/a"
