@@ -11,6 +11,8 @@ accumulation (the plan's memory is for those); ``model_kwargs`` from allow-lists
 plan loads in, the attention kernels transformers names: never ``getattr(torch, ...)`` on what
 the file says, never a ``trust_remote_code``). Every problem is gathered into one
 ``ConfigError`` naming the field, the value, what is allowed, and how to get a good plan.
+Where the run's results go (``output_dir``, ``report_to``, ``push_to_hub``, ``hub_*``) is never
+read from a file: those fields are refused, and the caller passes them to ``to_training_args``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .._errors import ConfigError, HfMemkitError, did_you_mean, quoted
 from .._estimate import MemoryEstimate
 from .._methods import METHODS
 from .._model.profile import ATTN_IMPLEMENTATIONS
+from .._setup.fields import OUTBOUND_FIELDS
 from .._trainers import TRAINER_KEY
 from .._units import is_positive_int
 from . import serialize as ser
@@ -176,11 +179,18 @@ def _training_args(d: dict[str, Any], trainer: str | None, cands: list[Candidate
     cls = config_class(trainer)
     out: dict[str, Any] = {}
     for k, v in d["training_args_kwargs"].items():
+        if k in OUTBOUND_FIELDS:
+            shown = "set" if k == "hub_token" else quoted(v)  # a token is never shown
+            problems.append(f"training_args_kwargs.{k}: {shown}: a plan file does not say where "
+                            "the run's results go (output directory, Hub push, reporting "
+                            "services): drop the field and pass it yourself, "
+                            f"plan.to_training_args({k}=...)")
+            continue
         try:
             out[k] = check_config_field(cls, str(k), v)
         except HfMemkitError as exc:
             problems.append(f"training_args_kwargs.{k}: {exc}")
-    if len(out) < len(d["training_args_kwargs"]):
+    if len(out) < len(ser.shareable_args(d["training_args_kwargs"])):
         return out
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -20,7 +20,7 @@ from .._errors import HfMemkitError
 from .._estimate import MemoryEstimate
 from .._methods import METHODS
 from .._setup.coverage import ENGINE_FIELDS
-from .._setup.fields import training_args_fields
+from .._setup.fields import OUTBOUND_FIELDS, training_args_fields
 from .._techniques import TECHNIQUES
 from .._techniques.checkpointing import NAME as CHECKPOINTING
 from .._trainers import TRAINER, TRAINERS
@@ -140,7 +140,8 @@ class Plan:
 
         Args:
             **overrides:
-                Fields set over the plan's (`output_dir` defaults to `"hf_memkit_output"`).
+                Fields set over the plan's; yours always win (`output_dir` defaults to
+                `"hf_memkit_output"`).
 
         Returns:
             `TrainingArguments` or the TRL trainer's config.
@@ -152,9 +153,7 @@ class Plan:
         est = self.chosen.estimate if self.chosen is not None else None
         kind = est.setup.trainer_kind if est is not None else TRAINER
         TrainingArguments = kind.config_type()  # noqa: N806 - the class the user would name
-        kwargs = dict(self.training_args_kwargs)
-        kwargs.setdefault("output_dir", overrides.pop("output_dir", "hf_memkit_output"))
-        kwargs.update(overrides)
+        kwargs = {"output_dir": "hf_memkit_output", **self.training_args_kwargs, **overrides}
         if MEMORY_FIELDS & set(overrides) and self.chosen.estimate is not None:
             self._warn_if_override_does_not_fit(kwargs)
         kwargs = _with_objects(kwargs)
@@ -167,7 +166,8 @@ class Plan:
         replaced, with a warning naming both values (pin it in `plan_training` to keep yours);
         a planned field the class lacks is not applied, with a warning. `args` itself is left
         as it was (`with_fields`: no `__init__` of a subclass is called, fields with
-        `init=False` and other attributes are kept).
+        `init=False` and other attributes are kept). Where the run's results go (`output_dir`,
+        `report_to`, `push_to_hub`, `hub_*`) stays as `args` has it.
 
         Args:
             args (`TrainingArguments`):
@@ -190,9 +190,9 @@ class Plan:
                 f"...), got {type(args).__name__}; for a dict use "
                 "{**args, **plan.training_args_kwargs}")
         cls = type(args)
-        init = {f.name for f in dataclasses.fields(cls) if f.init}
+        init = {f.name for f in dataclasses.fields(cls) if f.init} - set(OUTBOUND_FIELDS)
         planned = {k: v for k, v in self.training_args_kwargs.items() if k in init}
-        unknown = sorted(set(self.training_args_kwargs) - init)
+        unknown = sorted(set(self.training_args_kwargs) - init - set(OUTBOUND_FIELDS))
         if unknown:
             warnings.warn(f"{cls.__name__} has no field(s) {', '.join(unknown)}: the plan's "
                           "values for them are not applied", stacklevel=2)
@@ -402,7 +402,8 @@ class Plan:
 
     def to_dict(self, *, full: bool = True) -> dict[str, Any]:
         """The plan as a JSON-ready dict, `"chosen"` first: the chosen setup, its memory and
-        its arguments.
+        its arguments. A plan file is shared, so it never holds where the run's results go
+        (`output_dir`, `report_to`, `push_to_hub`, `hub_*`): pass those to `to_training_args`.
 
         Args:
             full (`bool`, *optional*, defaults to `True`):
@@ -422,7 +423,7 @@ class Plan:
             "seq_len": self.seq_len,
             "target_batch_size": self.target_batch_size, "num_gpus": self.num_gpus,
             "method": self.method, "budget": self.budget, "budget_basis": self.budget_basis,
-            "training_args_kwargs": self.training_args_kwargs,
+            "training_args_kwargs": ser.shareable_args(self.training_args_kwargs),
             "model_kwargs": ser.model_kwargs_to_json(self.model_kwargs),
             "peft_config": ser.peft_to_dict(self.peft_config),
             "accelerator_kwargs": self.accelerator_kwargs,
@@ -482,6 +483,9 @@ class Plan:
         except (ValueError, TypeError) as exc:  # JSONDecodeError, a str that is not UTF-8
             raise HfMemkitError(f"the plan JSON does not parse ({str(exc)[:200]}); "
                                 f"{read.REMAKE}") from None
+        except RecursionError:  # arrays or objects nested thousands deep
+            raise HfMemkitError("the plan JSON nests too deep to read (a plan is a few levels "
+                                f"deep); {read.REMAKE}") from None
         return cls.from_dict(d)
 
 

@@ -10,6 +10,13 @@ import torch
 
 from .._engines import ENGINES
 from .._errors import HfMemkitError
+from .._setup.fields import OUTBOUND_FIELDS
+
+
+def shareable_args(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The trainer config's fields a plan file holds: all but where the run's results go
+    (``OUTBOUND_FIELDS``; ``_plan.read`` refuses them in a file)."""
+    return {k: v for k, v in kwargs.items() if k not in OUTBOUND_FIELDS}
 
 
 def model_ref_to_json(ref: Any) -> Any:
@@ -133,7 +140,7 @@ def chosen_summary(plan: Any) -> dict[str, Any]:
             "grad_accum": c.grad_accum, "num_gpus": plan.num_gpus, "attn": c.attn,
             "parallel": c.parallel, "rel_time": c.rel_time, "fits": c.fits,
             "verdict": plan.verdict, "env": plan.env, "memory": estimate_summary(c.estimate),
-            "training_args_kwargs": plan.training_args_kwargs,
+            "training_args_kwargs": shareable_args(plan.training_args_kwargs),
             "model_kwargs": model_kwargs_to_json(plan.model_kwargs)}
 
 

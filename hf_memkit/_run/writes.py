@@ -26,10 +26,8 @@ import tempfile
 from typing import Any
 
 from .._errors import ConfigError, did_you_mean, excerpt, quoted
+from .._setup.fields import HUB_FIELDS
 
-# the config fields that configure a push to the Hub (transformers' "Hub Integration" block)
-HUB_FIELDS = ("push_to_hub", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo",
-              "hub_always_push", "hub_revision")
 SHOWN_ENTRIES = 5   # a non-empty directory's entries named in the refusal
 
 

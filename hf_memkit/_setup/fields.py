@@ -31,6 +31,13 @@ from .._trainers.packing import MAX_TOKENS
 
 # -- defaults and names -------------------------------------------------------------------------
 
+# the config fields that configure a push to the Hub (transformers' "Hub Integration" block)
+HUB_FIELDS = ("push_to_hub", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo",
+              "hub_always_push", "hub_revision")
+# the fields that say where a run's results go: only the person who launches it sets them, never
+# a file shared with them (a recipe's pins, a plan JSON)
+OUTBOUND_FIELDS = ("output_dir", "report_to", *HUB_FIELDS)
+
 
 def training_args_fields() -> dict[str, Any]:
     """Field name -> default of the installed ``TrainingArguments``."""

@@ -357,3 +357,53 @@ def test_from_json_of_what_is_not_a_plan(cpu_plan):
     if "dtype" in bf16.model_kwargs:
         assert mk.Plan.from_json(bf16.to_json()).model_kwargs["dtype"] in (
             torch.float32, torch.float16, torch.bfloat16)
+
+
+# -- a plan file is shared: it never says where the run's results go (issue 47) ------------------
+
+@pytest.mark.parametrize("field, value", [
+    ("push_to_hub", True), ("hub_model_id", "someone/stolen"), ("hub_token", "hf_secret123"),
+    ("report_to", ["wandb"]), ("output_dir", "/tmp/elsewhere")])
+def test_from_json_refuses_where_results_go(cpu_plan, field, value):
+    import json
+
+    d = json.loads(cpu_plan.to_json())
+    d["training_args_kwargs"][field] = value
+    with pytest.raises(mk.HfMemkitError) as err:
+        mk.Plan.from_json(json.dumps(d))
+    msg = str(err.value)
+    assert f"training_args_kwargs.{field}:" in msg and "a plan file does not say where" in msg
+    assert f"plan.to_training_args({field}=...)" in msg
+    assert "hf_secret123" not in msg                         # a token is never echoed
+
+
+def test_the_callers_output_dir_wins_and_a_plan_file_leaves_results_to_the_caller(tmp_path):
+    p = quiet_plan(TINY, device=cpu(), output_dir=str(tmp_path / "planned"), report_to="wandb",
+                   push_to_hub=True, hub_model_id="me/tiny")
+    assert p.training_args_kwargs["output_dir"] == str(tmp_path / "planned")
+    mine = str(tmp_path / "mine")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert p.to_training_args(output_dir=mine, use_cpu=True, report_to=[],
+                                  push_to_hub=False).output_dir == mine
+    # the file it writes holds none of them, and reads back without them
+    for full in (True, False):
+        d = p.to_dict(full=full)
+        for k in ("output_dir", "report_to", "push_to_hub", "hub_model_id"):
+            assert k not in d["training_args_kwargs"] and k not in \
+                d["chosen"]["training_args_kwargs"]
+    back = mk.Plan.from_json(p.to_json())
+    args = back.to_training_args(output_dir=mine, use_cpu=True)
+    assert (args.output_dir, args.push_to_hub, args.hub_model_id) == (mine, False, None)
+    assert args.report_to in ([], "none", ["none"])
+    # apply_to keeps where the user's own arguments send results
+    own = TrainingArguments(output_dir=mine, use_cpu=True, report_to=[])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = p.apply_to(own)
+    assert (out.output_dir, out.push_to_hub, out.report_to) == (mine, False, [])
+
+
+def test_from_json_of_deeply_nested_text_is_a_clear_error():
+    with pytest.raises(mk.HfMemkitError, match="nests too deep to read"):
+        mk.Plan.from_json("[" * 100000 + "]" * 100000)
