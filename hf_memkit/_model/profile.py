@@ -17,7 +17,7 @@ import torch
 import transformers
 from transformers import PretrainedConfig, PreTrainedModel
 
-from .._errors import HfMemkitError
+from .._errors import HfMemkitError, quoted
 from .catalog import resolve_config
 from .facts import DECODER_DEPTH_KEYS, DEPTH_KEYS
 from .tasks import TASKS, normalize_task, task_of_class
@@ -80,6 +80,32 @@ class ModelProfile:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "config"}
 
 
+# The most layers a config may stack (each counted config: a model's own, its text model's, an
+# encoder's or a decoder's): above the deepest trained transformers (DeepNet, 1,000 layers), low
+# enough that building the model on the meta device stays a few seconds.
+MAX_LAYERS = 2**10
+LAYER_FIELDS = ("num_hidden_layers", "encoder_layers", "decoder_layers", "num_decoder_layers")
+
+
+def depth_problem(config: PretrainedConfig) -> str | None:
+    """Why ``config`` has too many layers (or a layer count that is not a count) to plan, or
+    None."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for cfg in (config,) if text is config else (config, text):
+        for name in LAYER_FIELDS:
+            n = getattr(cfg, name, None)
+            if n is None:
+                continue
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                return (f"{name}={quoted(n)} is not a number of layers; set it to a "
+                        "non-negative integer")
+            if n > MAX_LAYERS:
+                return (f"{name}={n} is more layers than hf_memkit plans (at most {MAX_LAYERS}, "
+                        "above the deepest transformers trained: 1,000 layers); set it to the "
+                        "model's real depth")
+    return None
+
+
 def token_id_problem(config: PretrainedConfig) -> str | None:
     """Why the model of ``config`` cannot be built for its token ids, or None: a
     ``pad_token_id`` outside the vocabulary (the embedding's padding index; torch asserts deep
@@ -102,7 +128,7 @@ def model_from_config(config: PretrainedConfig, task: str | None = None, *,
                 device: str | torch.device = "meta", **kwargs: Any) -> PreTrainedModel:
     """Instantiate ``config`` with the head for ``task`` on ``device`` (meta: no memory)."""
     task = normalize_task(task, config)
-    problem = token_id_problem(config)
+    problem = depth_problem(config) or token_id_problem(config)
     if problem:
         raise HfMemkitError(problem)
     auto_cls = getattr(transformers, TASKS.get(task).auto_class)

@@ -11,6 +11,7 @@ this process runs on; the effective batch (micro-batch x accumulation x ranks) e
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple
@@ -32,12 +33,16 @@ from .._estimate.budget import (
 from .._methods import METHODS, method_choices
 from .._setup.fields import check_field, config_fields
 from .._trainers import TRAINER, TRAINERS, TrainerKind
-from .._trainers.packing import MAX_TOKENS
+from .._trainers.packing import MAX_BATCH, MAX_TOKENS
 from .._units import divisors, is_positive_int, parse_bytes
 
 # GPUs one node of the catalog cards holds (HGX/DGX boards); more need num_nodes.
 MAX_GPUS_PER_NODE = 8
+MAX_RANKS = 2**17   # GPUs (and nodes) a request may name: above the largest clusters (~100k)
 SEARCH_CONSTRAINTS = ("micro_batch",)
+# the request's fields that decide the per-device batches searched
+BATCH_FIELDS = ("target_batch_size", "num_gpus", "num_nodes", "micro_batch",
+                "per_device_train_batch_size", "gradient_accumulation_steps")
 
 
 class Problem(NamedTuple):
@@ -175,11 +180,17 @@ class PlanRequest:
         return {k: v for k, v in self.constraints.items() if k not in self.pins}
 
     def micro_batches(self) -> list[int]:
+        """The per-device batches searched: the pinned one, else the divisors of the per-rank
+        batch that the trainer accepts (``trainer_batch_problems``)."""
         if "per_device_train_batch_size" in self.pins:
             return [self.pins["per_device_train_batch_size"]]
         if "micro_batch" in self.search:
             return [self.search["micro_batch"]]
-        return divisors(self.per_rank)
+        return self._accepted_micro_batches
+
+    @cached_property
+    def _accepted_micro_batches(self) -> list[int]:
+        return [mb for mb in divisors(self.per_rank) if not self.trainer_batch_problems(mb)]
 
     def budget(self) -> int:
         return self.budget_of().bytes
@@ -215,6 +226,8 @@ class PlanRequest:
         if not any(p.field in ("num_gpus", "num_nodes") for p in out):
             out += self._rank_problems()
         out += self._batch_problems()
+        if not any(p.field in BATCH_FIELDS for p in out):
+            out += self._searched_batch_problems()
         return out
 
     def raise_problems(self, source: str = "plan_training") -> None:
@@ -228,9 +241,7 @@ class PlanRequest:
             v = getattr(self, name)
             if not (self.partial and v is None) and not is_positive_int(v):
                 out.append(Problem(name, f"{name} must be a positive integer, got {v!r}"))
-        if is_positive_int(self.seq_len) and self.seq_len > MAX_TOKENS:
-            out.append(Problem("seq_len", f"seq_len must be at most {MAX_TOKENS} tokens (2**24), "
-                                          f"got {self.seq_len}"))
+        out += self._size_problems()
         if headroom_problem(self.headroom):
             out.append(Problem("headroom", headroom_problem(self.headroom)))
         if max_memory_problem(self.max_memory):
@@ -256,6 +267,28 @@ class PlanRequest:
                                       "or micro_batch"))
         return out
 
+    def _size_problems(self) -> list[Problem]:
+        """Sizes above what any run uses, refused before a trace (a target batch of 10**9 made
+        the search enumerate its divisors for minutes)."""
+        out = []
+        if is_positive_int(self.seq_len) and self.seq_len > MAX_TOKENS:
+            out.append(Problem("seq_len", f"seq_len must be at most {MAX_TOKENS} tokens (2**24), "
+                                          f"got {self.seq_len}"))
+        for name, v in (("target_batch_size", self.target_batch_size),
+                        ("micro_batch", self.search.get("micro_batch"))):
+            if is_positive_int(v) and v > MAX_BATCH:
+                out.append(Problem(name, f"{name} must be at most {MAX_BATCH} samples (2**20; "
+                                         f"the largest published batches are 65,536), got {v}"))
+            elif name == "micro_batch" and v is not None and not is_positive_int(v):
+                out.append(Problem(name, f"micro_batch must be a positive integer, got "
+                                         f"{quoted(v)}"))
+        for name in ("num_gpus", "num_nodes"):
+            v = getattr(self, name)
+            if is_positive_int(v) and v > MAX_RANKS:
+                out.append(Problem(name, f"{name} must be at most {MAX_RANKS} (2**17, more GPUs "
+                                         f"than the largest training clusters hold), got {v}"))
+        return out
+
     def _pin_problems(self) -> list[Problem]:
         """Pins by their field's type and range, as Python values: ``bf16="False"`` is refused
         (transformers reads it as true), as in an ``estimate_memory`` dict (``_setup.fields``)."""
@@ -269,21 +302,44 @@ class PlanRequest:
                 out.append(Problem(k, str(exc)))
         if out or self.partial:  # a recipe's pins: normalize_args (check_pins) says it
             return out
-        # what the trainer refuses when it is built, as the plan would emit it (planned from
-        # lengths, padding-free rows take max_length=None unless it is pinned)
+        # what the trainer refuses when it is built, as the plan would emit it
+        why = "" if "max_length" in self.constraints or "max_length" not in \
+            self.config_defaults else " (a plan's max_length is its seq_len unless pinned)"
+        options = self.trainer_options
+        target = self.target_batch_size if is_positive_int(self.target_batch_size) else None
+        return [Problem(self._field_of(m), m + why) for m in kind.config_problems(options)] + [
+            Problem("target_batch_size", m) for m in (
+                kind.target_problems(options, target, self.ranks) if target else [])]
+
+    def _field_of(self, message: str) -> str:
+        """The config field a trainer's problem is about: the one it starts with (```name`
+        must be ...``, ``name=value ...``, ``name (value) ...``), else ``trainer``."""
+        name = re.match(r"`?(\w*)", message).group(1)  # type: ignore[union-attr]
+        return name if name in self.config_defaults else "trainer"
+
+    @cached_property
+    def trainer_options(self) -> dict[str, Any]:
+        """The trainer's options (``TrainerKind.read``) as the plan would emit its config:
+        planned from lengths, padding-free rows take max_length=None unless it is pinned; a
+        field its config's ``__post_init__`` derives (``TrainerKind.derived``) is None unless
+        pinned, as in a dict given to ``estimate_memory``."""
+        kind = self.trainer_kind
         free = self.lengths is not None and "max_length" not in self.constraints
 
         def get(name: str) -> Any:
-            v = None if free and name == "max_length" else self.get(name)
+            if (free and name == "max_length") or (name in kind.derived and
+                                                   name not in self.pins):
+                return None
+            v = self.get(name)
             return getattr(v, "value", v)  # enums -> str, as normalize_args reads them
 
-        why = "" if "max_length" in self.constraints else \
-            " (a plan's max_length is its seq_len unless pinned)"
-        options = kind.read(get)
-        target = self.target_batch_size if is_positive_int(self.target_batch_size) else None
-        return [Problem("padding_free", m + why) for m in kind.config_problems(options)] + [
-            Problem("target_batch_size", m) for m in (
-                kind.target_problems(options, target, self.ranks) if target else [])]
+        return dict(kind.read(get))
+
+    def trainer_batch_problems(self, micro_batch: int) -> list[str]:
+        """What the trainer refuses of ``micro_batch`` rows per device completing the per-rank
+        batch (``TrainerKind.batch_problems``: TRL's whole generation groups)."""
+        return list(self.trainer_kind.batch_problems(
+            self.trainer_options, micro_batch, self.per_rank // micro_batch, self.ranks))
 
     def _choice_problems(self) -> list[Problem]:
         out = []
@@ -382,7 +438,25 @@ class PlanRequest:
                             f"{mb * accum * self.ranks}, not target_batch_size "
                             f"{self.target_batch_size}; drop the accumulation pin (the plan "
                             f"derives it) or set it to {per_rank // mb}")]
-        return []
+        return [Problem(key, m) for m in self.trainer_batch_problems(mb)]
+
+    def _searched_batch_problems(self) -> list[Problem]:
+        """Where the planner searches the per-device batch and the trainer refuses every one
+        dividing the per-rank batch: what it refuses of all of them (a pin of its own), else
+        of the largest."""
+        if self.partial or any(k in self.pins or k in self.search for k in (
+                "per_device_train_batch_size", "micro_batch")):
+            return []
+        per_rank = self.per_rank
+        refused = [self.trainer_batch_problems(mb) for mb in divisors(per_rank)]
+        if not refused or not all(refused):
+            return []
+        common = [m for m in refused[-1] if all(m in r for r in refused)]
+        head = (f"no per_device_train_batch_size dividing the per-GPU batch {per_rank} "
+                f"(target_batch_size {self.target_batch_size} / {self.ranks} GPU(s)) is "
+                f"accepted by {self.trainer_kind.title}'s config; at {per_rank}: ")
+        return [Problem(self._field_of(m), m) for m in common] or \
+            [Problem("target_batch_size", head + m) for m in refused[-1]]
 
 
 # Host RAM a typical training machine has per GPU, as a multiple of the GPU's memory: the sizing

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 from transformers import TrainingArguments
 
 from .._errors import HfMemkitError, did_you_mean, quoted
-from .._trainers.packing import MAX_TOKENS
+from .._trainers.packing import MAX_BATCH, MAX_TOKENS
 
 # -- defaults and names -------------------------------------------------------------------------
 
@@ -237,6 +237,7 @@ def _steps(v: float) -> bool:
 
 
 _STEPS = "a positive number of steps (an integer), or a ratio of the run in (0, 1]"
+_BATCH = f"a positive integer (at most {MAX_BATCH} = 2**20)"
 FIELD_RANGES: dict[str, tuple[Any, str]] = {
     # transformers.TrainingArguments
     "max_steps": (lambda v: v == -1 or v > 0, "a positive number of optimizer steps, or -1 (the "
@@ -253,10 +254,10 @@ FIELD_RANGES: dict[str, tuple[Any, str]] = {
     "logging_steps": (_steps, _STEPS),
     "eval_steps": (_steps, _STEPS),
     "save_steps": (_steps, _STEPS),
-    "per_device_train_batch_size": (lambda v: v >= 1, "a positive integer"),
-    "per_device_eval_batch_size": (lambda v: v >= 1, "a positive integer"),
-    "gradient_accumulation_steps": (lambda v: v >= 1, "a positive integer"),
-    "eval_accumulation_steps": (lambda v: v >= 1, "a positive integer"),
+    "per_device_train_batch_size": (lambda v: 1 <= v <= MAX_BATCH, _BATCH),
+    "per_device_eval_batch_size": (lambda v: 1 <= v <= MAX_BATCH, _BATCH),
+    "gradient_accumulation_steps": (lambda v: 1 <= v <= MAX_BATCH, _BATCH),
+    "eval_accumulation_steps": (lambda v: 1 <= v <= MAX_BATCH, _BATCH),
     "torch_empty_cache_steps": (lambda v: v >= 1, "a positive integer"),
     "dataloader_num_workers": (lambda v: v >= 0, "an integer >= 0 (0: load in the main "
                                                  "process)"),

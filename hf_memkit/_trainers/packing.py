@@ -30,6 +30,10 @@ MAP_BATCH = 1000  # datasets.Dataset.map's default batch_size
 # today (10M tokens), far below what a traced tensor's size can hold (a 10**26-token row
 # overflowed deep in torch).
 MAX_TOKENS = 2**24
+# The most samples in one micro-batch, one accumulation or one optimizer step: far above the
+# largest batches published (65,536 sequences, BERT pre-training with LAMB), low enough that a
+# traced tensor's size and the planner's search over its divisors stay small.
+MAX_BATCH = 2**20
 # one rule for estimate_memory and plan_training
 SEQ_LEN_FROM_ROWS = ("with lengths the longest row is the sequence length; leave seq_len out "
                      "(--seq-len on the command line)")

@@ -33,14 +33,39 @@ def fraction(text: str) -> float:
 
 
 def positive_int(text: str) -> int:
-    """``--seq-len``, ``--batch``, ``--num-gpus``: an integer >= 1."""
+    """An integer >= 1 (a count without a bound of its own: ``--lora-r``)."""
     try:
         v = int(text)
     except ValueError:
         v = 0
     if v < 1:
-        raise FieldError(f"expected a positive integer, got `{text}`")
+        raise FieldError(f"expected a positive integer, got `{excerpt(text)}`")
     return v
+
+
+# The library's bounds (``_trainers.packing.MAX_TOKENS`` / ``MAX_BATCH``,
+# ``_plan.request.MAX_RANKS``), restated so that the command line parses without importing torch
+# (a contract test keeps them equal).
+MAX_TOKENS, MAX_BATCH, MAX_RANKS = 2**24, 2**20, 2**17
+
+
+def at_most(limit: int, what: str):
+    """An argparse type: a positive integer of at most ``limit`` ``what``."""
+    def parse(text: str) -> int:
+        v = positive_int(text)
+        if v > limit:
+            raise FieldError(f"expected a positive integer of at most {limit} {what}, got "
+                             f"`{excerpt(text)}`")
+        return v
+
+    parse.__name__ = f"at_most_{limit}"
+    return parse
+
+
+tokens = at_most(MAX_TOKENS, "tokens (2**24)")
+samples = at_most(MAX_BATCH, "samples (2**20)")
+gpus = at_most(MAX_RANKS, "(2**17)")
+lora_rank = at_most(2**16, "(2**16; a rank above a layer's width adds nothing)")
 
 
 class Field(tuple):
@@ -263,7 +288,7 @@ def estimate_parser(sub) -> argparse.ArgumentParser:
                         "--trainer sft/dpo: any SFTConfig/DPOConfig field, e.g. packing=true)")
     p.add_argument("--gpu", default=None, help="catalog GPU (hf-memkit devices) or 'cpu'; "
                                                "default: this machine")
-    p.add_argument("--seq-len", type=positive_int, default=None,
+    p.add_argument("--seq-len", type=tokens, default=None,
                    help="longest sequence in a batch (with --trainer sft/dpo: default the "
                         "max_length=N field)")
     add_trainer_option(p)
@@ -271,7 +296,7 @@ def estimate_parser(sub) -> argparse.ArgumentParser:
                    help="the rows' token counts, one integer per line or a JSON list, instead "
                         "of --seq-len: a padded batch at its longest row; with --trainer sft "
                         "and padding_free/packing, the fullest micro-batch of them")
-    p.add_argument("--batch", type=positive_int, default=None,
+    p.add_argument("--batch", type=samples, default=None,
                    help="per_device_train_batch_size")
     p.add_argument("--task", default=None, metavar="TASK", choices=task_choices(),
                    help=f"head: {', '.join(task_choices(aliases=False))}")
@@ -284,7 +309,7 @@ def estimate_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=DTYPES,
                    help="load dtype (bfloat16 = pure bf16 training; default: the model's, "
                         "float32 for a config)")
-    p.add_argument("--num-gpus", type=positive_int, default=None,
+    p.add_argument("--num-gpus", type=gpus, default=None,
                    help="data-parallel ranks: one rank's memory under DDP, or the FSDP / "
                         "DeepSpeed sharding given by fsdp=... / deepspeed=... fields")
     p.add_argument("--method", default="full", choices=estimate_methods(),
@@ -292,7 +317,7 @@ def estimate_parser(sub) -> argparse.ArgumentParser:
                         "16-bit base), qlora (adapters on a 4-bit NF4 base; needs "
                         "bitsandbytes); LoRA as plan_training builds it: every linear layer, "
                         "alpha 2 x r, dropout 0.05")
-    p.add_argument("--lora-r", type=positive_int, default=None, metavar="R",
+    p.add_argument("--lora-r", type=lora_rank, default=None, metavar="R",
                    help="LoRA rank with --method lora/qlora (default 16)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--max-batch", action="store_true",

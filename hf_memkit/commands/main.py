@@ -27,8 +27,20 @@ from . import (
 COMMANDS = (devices, probe, calibrate, estimate, plan, train, recipes, cache, demo)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, with the fix said when an option's value starts with ``-`` (argparse
+    reads ``--max-memory -5GiB`` as a missing value followed by an option)."""
+
+    def error(self, message: str):
+        if message.endswith("expected one argument"):
+            flag = message.removeprefix("argument ").split(":")[0].split("/")[-1]
+            message += (f" (a value that starts with '-' goes after '=': {flag}=-VALUE; the "
+                        "value itself is then checked)")
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="hf-memkit",
         description="Predict, plan and watch the memory of Hugging Face training runs.",
         epilog="Examples:\n  hf-memkit devices\n  hf-memkit probe --json\n"

@@ -16,9 +16,11 @@ from .estimate import (
     check_input,
     field_text,
     fraction,
-    positive_int,
+    gpus,
     positive_number,
     read_lengths,
+    samples,
+    tokens,
     trainer_fields,
     trainer_option,
 )
@@ -58,18 +60,18 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                         "--trainer sft/dpo/grpo/rloo: their config's fields, e.g. packing=true)")
     p.add_argument("--gpu", default=None, help="catalog GPU or 'cpu'; default: this machine "
                                                "(or the recipe's hardware.device)")
-    p.add_argument("--num-gpus", type=positive_int, default=None,
+    p.add_argument("--num-gpus", type=gpus, default=None,
                    help="GPUs over all nodes: data-parallel ranks (DDP, else FSDP2 / ZeRO "
                         "sharding), each sequence split over several where whole ones do not fit "
                         "(context parallelism; Ulysses with --engine deepspeed)")
-    p.add_argument("--num-nodes", type=positive_int, default=None, help="nodes (default 1)")
+    p.add_argument("--num-nodes", type=gpus, default=None, help="nodes (default 1)")
     p.add_argument("--engine", default=None, choices=engine_choices(),
                    help="data-parallel engine (default auto: DDP if a replica fits, else FSDP2)")
     p.add_argument("--host-memory", default=None,
                    help="CPU RAM per node that offload may use, e.g. 512GiB")
-    p.add_argument("--seq-len", type=positive_int, default=None,
+    p.add_argument("--seq-len", type=tokens, default=None,
                    help="tokens per sequence (required without a recipe)")
-    p.add_argument("--target-batch", type=positive_int, default=None,
+    p.add_argument("--target-batch", type=samples, default=None,
                    help="effective batch size (required without a recipe)")
     p.add_argument("--lengths", default=None, metavar="FILE",
                    help="with --trainer sft, instead of --seq-len: the rows' token counts, one "
@@ -78,7 +80,7 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--mean-len", type=positive_number, default=None,
                    help="with --trainer sft and --max-len, instead of --lengths: the mean row "
                         "length in tokens")
-    p.add_argument("--max-len", type=positive_int, default=None,
+    p.add_argument("--max-len", type=tokens, default=None,
                    help="with --mean-len: the longest row in tokens")
     p.add_argument("--method", default=None, choices=method_choices(),
                    help="default: auto (or the recipe's)")

@@ -48,6 +48,23 @@ CASES = {
                            ["cuda_version", "'twelve'", "12.8"]),
     "field without a name": (["estimate", "gpt2", "--gpu", "T4", "--seq-len", "512", "=5"],
                              ["`=5`", "FIELD=VALUE"]),
+    # sizes a user types are bounded before any trace (issue 47: a huge target batch hung the
+    # planner, a huge --batch reached torch's storage overflow)
+    "huge --target-batch": (["plan", "gpt2", "--gpu", "A100-80GB", "--seq-len", "128",
+                             "--target-batch", "1000000000"],
+                            ["--target-batch", "at most 1048576 samples", "`1000000000`"]),
+    "huge --batch": (["estimate", "gpt2", "--gpu", "T4", "--seq-len", "128", "--batch",
+                      "1000000000000"], ["--batch", "at most 1048576", "`1000000000000`"]),
+    "huge --seq-len": (["plan", "gpt2", "--gpu", "T4", "--seq-len", str(2**24 + 1)],
+                       ["--seq-len", "at most 16777216 tokens"]),
+    "huge --num-gpus": (["plan", "gpt2", "--gpu", "T4", *PLAN, "--num-gpus", "10000000"],
+                        ["--num-gpus", "at most 131072"]),
+    "huge --lora-r": (["estimate", "gpt2", "--gpu", "T4", "--seq-len", "128", "--method",
+                       "lora", "--lora-r", "99999999"], ["--lora-r", "at most 65536"]),
+    "negative --max-memory": (["plan", "gpt2", "--gpu", "T4", *PLAN, "--max-memory", "-5GiB"],
+                              ["--max-memory", "goes after '='", "--max-memory=-VALUE"]),
+    "negative --max-memory=": (["plan", "gpt2", "--gpu", "T4", *PLAN, "--max-memory=-5GiB"],
+                               ["--max-memory", "`-5GiB`"]),
 }
 
 
@@ -84,3 +101,15 @@ def test_a_good_name_is_not_refused_by_the_fast_check(tmp_path):
                 str(tmp_path / "cfg" / "config.json")):
         check_input(argparse.Namespace(model=ref, **base))
     check_plan_input(argparse.Namespace(model="llama-3.1/8b_qlora_rtx4090", **base))
+
+
+def test_the_command_lines_bounds_are_the_librarys():
+    """The CLI restates the bounds (it parses without importing torch); they stay equal."""
+    from hf_memkit._model.profile import MAX_LAYERS
+    from hf_memkit._plan.request import MAX_RANKS
+    from hf_memkit._trainers.packing import MAX_BATCH, MAX_TOKENS
+    from hf_memkit.commands import estimate
+
+    assert (estimate.MAX_TOKENS, estimate.MAX_BATCH, estimate.MAX_RANKS) == (
+        MAX_TOKENS, MAX_BATCH, MAX_RANKS)
+    assert MAX_LAYERS >= 1000      # DeepNet's depth still plans

@@ -1,0 +1,68 @@
+"""Every size a user types is bounded, with a clear error before any trace (issue 47): a target
+batch of 10**9 hung the planner, a config of 10**6 layers never answered, a micro-batch of
+10**12 reached torch's storage overflow."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from transformers import LlamaConfig
+
+import hf_memkit as mk
+from hf_memkit.commands.main import main
+
+TINY = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=2, num_key_value_heads=1, vocab_size=128)
+
+
+def refused(call, *words):
+    t0 = time.process_time()
+    with pytest.raises(mk.HfMemkitError) as err:
+        call()
+    assert time.process_time() - t0 < 5          # refused up front, not after a trace
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(target_batch_size=10**9), ["target_batch_size must be at most 1048576", "1000000000"]),
+    (dict(target_batch_size=8, micro_batch=10**12), ["micro_batch must be at most 1048576"]),
+    (dict(target_batch_size=8, micro_batch="4"), ["micro_batch must be a positive integer",
+                                                  "'4'"]),
+    (dict(target_batch_size=8, num_gpus=10**7), ["num_gpus must be at most 131072"]),
+    (dict(target_batch_size=8, per_device_train_batch_size=10**12),
+     ["per_device_train_batch_size", "at most 1048576"]),
+    (dict(target_batch_size=8, gradient_accumulation_steps=10**9),
+     ["gradient_accumulation_steps", "at most 1048576"]),
+])
+def test_plan_training_bounds_what_it_is_asked(kw, words):
+    refused(lambda: mk.plan_training(TINY, device="A100-80GB", seq_len=128, **kw), *words)
+
+
+def test_estimate_memory_bounds_the_batch():
+    refused(lambda: mk.estimate_memory(TINY, {"per_device_train_batch_size": 10**12},
+                                       seq_len=128, device="A100-80GB"),
+            "per_device_train_batch_size", "at most 1048576 = 2**20", "1000000000000")
+
+
+@pytest.mark.parametrize("field", ["num_hidden_layers", "decoder_layers"])
+def test_a_config_deeper_than_any_trained_model_is_refused(field):
+    deep = LlamaConfig(**{**TINY.to_dict(), "num_hidden_layers": 10**6})
+    if field == "decoder_layers":
+        from transformers import BartConfig
+
+        deep = BartConfig(d_model=16, encoder_layers=1, decoder_layers=10**6,
+                          encoder_attention_heads=2, decoder_attention_heads=2,
+                          encoder_ffn_dim=16, decoder_ffn_dim=16, vocab_size=64)
+    refused(lambda: mk.estimate_memory(deep, seq_len=16, device="A100-80GB"),
+            f"{field}=1000000 is more layers than hf_memkit plans", "at most 1024")
+
+
+def test_the_cli_says_a_config_is_too_deep(tmp_path, capsys):
+    LlamaConfig(**{**TINY.to_dict(), "num_hidden_layers": 10**6}).save_pretrained(tmp_path)
+    code = main(["estimate", str(tmp_path), "--gpu", "A100-80GB", "--seq-len", "16",
+                 "--no-cache"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "num_hidden_layers=1000000 is more layers" in err
