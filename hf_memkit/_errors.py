@@ -54,6 +54,17 @@ def quoted(value: object, limit: int = EXCERPT) -> str:
     return excerpt(repr(value.value if isinstance(value, enum.Enum) else value), limit)
 
 
+def not_a_file(mode: int) -> str:
+    """What a path of ``mode`` (``os.stat().st_mode``) is when it is not a regular file."""
+    import stat
+
+    kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a device"
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket"
+            if stat.S_ISSOCK(mode) else None)
+    return f"{kind}, not a regular file (reading it could wait forever or never end)" \
+        if kind else ("a directory" if stat.S_ISDIR(mode) else "not a regular file")
+
+
 def read_user_file(path: str | os.PathLike, *, what: str, cap: int,
                    name: str | None = None) -> bytes:
     """The bytes of the regular file a user named (``what``: what it should be, "a lengths
@@ -73,12 +84,7 @@ def read_user_file(path: str | os.PathLike, *, what: str, cap: int,
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a device"
-                if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket"
-                if stat.S_ISSOCK(mode) else None)
-        why = f"{kind}, not a regular file (reading it could wait forever or never end)" \
-            if kind else ("a directory" if stat.S_ISDIR(mode) else "not a regular file")
-        raise HfMemkitError(f"{name} is {why}; give {what}, saved as a regular file")
+        raise HfMemkitError(f"{name} is {not_a_file(mode)}; give {what}, saved as a regular file")
     with os.fdopen(fd, "rb") as f:
         data = f.read(cap + 1)
     if len(data) > cap:
@@ -103,3 +109,5 @@ def read_json_file(path: str | os.PathLike, *, name: str, what: str, cap: int, f
             f" (line {exc.lineno}, column {exc.colno}: {exc.msg})"
             if isinstance(exc, json.JSONDecodeError) else f" ({excerpt(exc)})")
         raise HfMemkitError(f"{name} is {why}; {fix}") from None
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise HfMemkitError(f"{name} nests too deep to read; {fix}") from None

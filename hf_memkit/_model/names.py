@@ -9,11 +9,12 @@ A name is a bundled config (``hf_memkit/model_configs/<name>.json``, the publish
 
 from __future__ import annotations
 
+import os
 from functools import cache
 from importlib import resources
 from pathlib import Path
 
-from .._errors import HfMemkitError, did_you_mean, excerpt
+from .._errors import HfMemkitError, did_you_mean, excerpt, not_a_file
 
 # Hub ids that name a bundled config. The files hold the published config.json values.
 HUB_IDS = {
@@ -73,6 +74,12 @@ def canonical_name(name: str) -> str | None:
 
 def unknown_model_error(name: str) -> HfMemkitError:
     """The error for a model reference that names nothing ``resolve_config`` can read."""
+    if os.path.lexists(name):   # there, but neither a folder nor a config.json: say what it is
+        what = ("a broken symbolic link" if not os.path.exists(name) else
+                "a file that is not a .json config" if os.path.isfile(name) else
+                not_a_file(os.stat(name).st_mode))
+        return HfMemkitError(f"`{excerpt(name)}` is {what}; give a model directory holding "
+                             "config.json, a config.json file or a catalog name")
     return HfMemkitError(
         f"unknown model `{excerpt(name)}`{did_you_mean(name, list_models())}; bundled configs: "
         f"{', '.join(list_models())}. Otherwise pass a local directory holding config.json "
@@ -86,8 +93,13 @@ def check_model_ref(ref: str) -> None:
     nor a hub id whose config is in the local Hugging Face cache; what it names is read (and
     its own errors raised) by ``catalog.resolve_config``. Imports neither torch nor
     transformers."""
-    if Path(ref).exists() or canonical_name(ref) is not None:
+    if canonical_name(ref) is not None:
         return
+    try:
+        if Path(ref).is_dir() or Path(ref).is_file():
+            return
+    except OSError:  # a name too long for the file system: not a path
+        pass
     try:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:  # pragma: no cover - transformers requires huggingface_hub

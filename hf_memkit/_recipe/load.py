@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from .._errors import ConfigError, did_you_mean
+from .._errors import ConfigError, did_you_mean, not_a_file
 from .schema import Recipe
 from .validate import validate
 
@@ -174,6 +174,10 @@ def resolve_recipe_path(path: str | os.PathLike) -> Path:
             if cand.is_file():
                 return cand
     known = [str(r.relative_to(root).with_suffix("")) for r in bundled_recipes()] if root else []
+    if os.path.lexists(p):  # a directory, a FIFO, a device: there, but not a recipe file
+        what = not_a_file(p.stat().st_mode) if p.exists() else "a broken symbolic link"
+        raise ConfigError([f"{path}: is {what}; give a recipe .yaml file (or a bundled recipe: "
+                           "hf-memkit recipes list)"], source=str(path))
     raise ConfigError([f"{path}: no such file{did_you_mean(str(rel.with_suffix('')), known)}; "
                        "give a recipe path or a bundled recipe "
                        f"({', '.join(known) or 'none found'}; hf-memkit recipes list)"],

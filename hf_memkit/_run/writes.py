@@ -29,6 +29,8 @@ from .._errors import ConfigError, did_you_mean, excerpt, quoted
 from .._setup.fields import HUB_FIELDS
 
 SHOWN_ENTRIES = 5   # a non-empty directory's entries named in the refusal
+# the package a reporting service needs, where its name is not the service's
+REPORT_PACKAGES = {"azure_ml": "azureml-core", "comet_ml": "comet-ml"}
 
 
 # -- output_dir ---------------------------------------------------------------------------------
@@ -113,7 +115,10 @@ def report_services(value: Any) -> list[str] | None:
 def check_report_flag(value: Any, *, key: str = "--report-to") -> list[str]:
     """The services ``--report-to`` names (``all``: every installed integration; ``none``: no
     service), each one transformers knows; ``ConfigError`` otherwise."""
-    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+    from transformers.integrations.integration_utils import (
+        INTEGRATION_TO_CALLBACK,
+        get_available_reporting_integrations,
+    )
 
     services = report_services(value)
     known = [*INTEGRATION_TO_CALLBACK, "all", "none"]
@@ -124,6 +129,13 @@ def check_report_flag(value: Any, *, key: str = "--report-to") -> list[str]:
     if bad:
         raise ConfigError([f"{key}: unknown service {quoted(s)}{did_you_mean(s, known)}; "
                            f"allowed: {', '.join(known)}" for s in bad], source="command line")
+    here = get_available_reporting_integrations()
+    missing = [s for s in services if s not in ("all", *here)]
+    if missing:   # transformers' callback raises only when the trainer is built, after the plan
+        raise ConfigError([f"{key}: {s} is not installed here, and transformers reports to it "
+                           f"through its package: pip install {REPORT_PACKAGES.get(s, s)}, or "
+                           f"leave it out (installed: {', '.join(here) or 'none'})"
+                           for s in missing], source="command line")
     return services
 
 

@@ -63,6 +63,8 @@ CASES = {
                        "lora", "--lora-r", "99999999"], ["--lora-r", "at most 65536"]),
     "negative --max-memory": (["plan", "gpt2", "--gpu", "T4", *PLAN, "--max-memory", "-5GiB"],
                               ["--max-memory", "goes after '='", "--max-memory=-VALUE"]),
+    "a device as the model": (["estimate", "/dev/zero", "--gpu", "T4", "--seq-len", "128"],
+                              ["`/dev/zero` is a device", "give a model directory"]),
     "negative --max-memory=": (["plan", "gpt2", "--gpu", "T4", *PLAN, "--max-memory=-5GiB"],
                                ["--max-memory", "`-5GiB`"]),
 }

@@ -71,19 +71,30 @@ def test_command_line_pins_count_as_the_recipes(in_tmp, no_plan, capsys):
 
 
 def test_the_flags_allow_what_they_name(in_tmp):
-    r = load_recipe(recipe(in_tmp, HUB_PINS))
-    got = check_run_writes(r, push_to_hub=True, report_to=["wandb", "tensorboard"])
+    r = load_recipe(recipe(in_tmp, HUB_PINS.replace("[wandb, tensorboard]", "[tensorboard]")))
+    got = check_run_writes(r, push_to_hub=True, report_to=["tensorboard"])
     assert got == {"output_dir": "demo_output", "push_to_hub": True,
-                   "report_to": ["wandb", "tensorboard"]}
+                   "report_to": ["tensorboard"]}
     # a flag naming fewer services than the recipe still refuses the others
-    with pytest.raises(ConfigError, match="reports the run to tensorboard.*--report-to "
-                                          "wandb,tensorboard"):
-        check_run_writes(r, push_to_hub=True, report_to=["wandb"])
+    with pytest.raises(ConfigError, match="reports the run to wandb.*--report-to "
+                                          "tensorboard,wandb"):
+        check_run_writes(load_recipe(recipe(in_tmp, HUB_PINS)), push_to_hub=True,
+                         report_to=["tensorboard"])
     # without pins, the trainer's config carries no push and report_to="none"
     plain = load_recipe(recipe(in_tmp))
     assert check_run_writes(plain) == {"output_dir": "demo_output", "push_to_hub": False,
                                        "report_to": "none"}
     assert check_run_writes(plain, report_to="tensorboard")["report_to"] == ["tensorboard"]
+
+
+def test_a_service_that_is_not_installed_exits_2_before_the_plan(in_tmp, no_plan, capsys):
+    from transformers.integrations.integration_utils import get_available_reporting_integrations
+
+    if "wandb" in get_available_reporting_integrations():
+        pytest.skip("wandb is installed here")
+    code, err = cli(["train", recipe(in_tmp), "--report-to", "wandb"], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert "--report-to: wandb is not installed here" in err and "pip install wandb" in err
 
 
 def test_an_unknown_report_to_service_exits_2(in_tmp, capsys):

@@ -49,3 +49,19 @@ def test_a_yaml_mapping_with_no_recipe_key_is_not_a_recipe(tmp_path):
         load_recipe(p)
     assert len(ei.value.problems) == 1 and "not a recipe" in ei.value.problems[0]
     assert "/bin/bash" not in str(ei.value) and "nologin" not in str(ei.value)
+
+
+def test_a_recipe_path_that_is_not_a_file_says_what_it_is(tmp_path):
+    import os
+
+    (tmp_path / "folder").mkdir()
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    for path, words in ((tmp_path / "folder", "is a directory"),
+                        (tmp_path / "pipe", "is a FIFO (named pipe)"),
+                        ("/dev/zero", "is a device"),
+                        (tmp_path / "link", "is a broken symbolic link")):
+        with pytest.raises(mk.ConfigError) as err:
+            load_recipe(path)
+        msg = str(err.value)
+        assert words in msg and "give a recipe .yaml file" in msg and "no such file" not in msg
