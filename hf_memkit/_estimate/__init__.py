@@ -81,10 +81,23 @@ def _warn_precision(amp: str | None, tf32: bool, dev: Any) -> None:
                       UserWarning, stacklevel=3)
 
 
+def _batch_problems(args: Any, setup: Any, sharding: Sharding | None) -> list[str]:
+    """What the trainer's config refuses of the run's batch (``TrainerKind.batch_problems``:
+    whole generation groups of TRL's online RL), for a dict of fields (or none); a config
+    instance's ``__post_init__`` has checked it already."""
+    if args is not None and not isinstance(args, dict):
+        return []
+    return list(setup.trainer_kind.batch_problems(
+        setup.trainer_options, setup.micro_batch, setup.grad_accum,
+        (sharding or setup.sharding).world_size))
+
+
 def _checked(seq_len: int | None, stage: str, target_len: int | None, seq_name: str,
-             cuda_version: str | None, headroom: float | None, max_memory: Any) -> float:
-    """The headroom to judge by; every problem of the inputs in one ``ConfigError``."""
-    problems = _problems(seq_len, stage, target_len, seq_name)
+             cuda_version: str | None, headroom: float | None, max_memory: Any,
+             problems: list[str]) -> float:
+    """The headroom to judge by; every problem of the inputs (with ``problems``, those found
+    already) in one ``ConfigError``."""
+    problems = problems + _problems(seq_len, stage, target_len, seq_name)
     if cuda_version is not None:
         try:
             parse_cuda_version(cuda_version)
@@ -225,9 +238,10 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,
     """
     setup = normalize_args(args, source="args", num_gpus=num_gpus, trainer=trainer,
                            ref_model=ref_model)
+    batch = _batch_problems(args, setup, sharding)
     setup, seq_len, seq_name = _trainer_rows(setup, lengths, seq_len, completion_len)
     headroom = _checked(seq_len, stage, target_len, seq_name, cuda_version, headroom,
-                        max_memory)
+                        max_memory, batch)
     if sharding is not None:
         setup = setup.replace(sharding=sharding)
     dev = resolve_device(device)

@@ -32,7 +32,7 @@ from .._estimate.budget import (
 )
 from .._methods import METHODS, method_choices
 from .._setup.fields import check_field, config_fields
-from .._trainers import TRAINER, TRAINERS, TrainerKind
+from .._trainers import TRAINER, TRAINER_KEY, TRAINERS, TrainerKind
 from .._trainers.packing import MAX_BATCH, MAX_TOKENS
 from .._units import divisors, is_positive_int, parse_bytes
 
@@ -313,9 +313,10 @@ class PlanRequest:
 
     def _field_of(self, message: str) -> str:
         """The config field a trainer's problem is about: the one it starts with (```name`
-        must be ...``, ``name=value ...``, ``name (value) ...``), else ``trainer``."""
+        must be ...``, ``name=value ...``, ``name (value) ...``), else the trainer itself
+        (``TRAINER_KEY``, the request's ``trainer``)."""
         name = re.match(r"`?(\w*)", message).group(1)  # type: ignore[union-attr]
-        return name if name in self.config_defaults else "trainer"
+        return name if name in self.config_defaults else TRAINER_KEY
 
     @cached_property
     def trainer_options(self) -> dict[str, Any]:

@@ -12,6 +12,8 @@ rejected rows together and runs a reference forward. An entry says, from its con
   * ``reference(options, adapters)``: what serves as the reference model ("copy", "adapters",
     or None), whose weights are held on the device;
   * ``unmodelled(options)``: "field: what it changes" for settings it does not model (warned);
+  * ``config_problems(options)``, ``batch_problems(options, micro_batch, grad_accum, ranks)``,
+    ``target_problems(options, target, ranks)``: what its config refuses, before any trace;
   * ``adjust(uses)``: the techniques that are on, as the trainer changes them before training;
   * ``notes(options)``, ``host_note(nbytes)``: what the estimate says about it;
   * ``fields``: the config fields it models (the field-coverage test checks the rest are named);
@@ -219,6 +221,14 @@ class TrainerKind:
     def config_problems(self, options: Mapping[str, Any]) -> list[str]:
         """What the trainer refuses when it is built with these ``options`` (its ``__init__``
         raises): refused as it would be, before anything is traced."""
+        return []
+
+    def batch_problems(self, options: Mapping[str, Any], micro_batch: int, grad_accum: int,
+                       ranks: int) -> list[str]:
+        """What the trainer's config refuses of a run of ``micro_batch`` rows per device,
+        ``grad_accum`` accumulation steps and ``ranks`` processes (TRL's online RL: whole
+        generation groups), given ``options`` as the user set them: refused by an estimate
+        of a dict, and kept out of a plan's search. None by default."""
         return []
 
     def target_problems(self, options: Mapping[str, Any], target: int, ranks: int) -> list[str]:

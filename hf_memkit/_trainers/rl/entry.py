@@ -26,6 +26,7 @@ a phase traced here; in server mode it is on other GPUs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -41,7 +42,7 @@ from ..base import (
     register,
 )
 from ..data import token_rows, word_tokenizer
-from . import colocate, rollout
+from . import colocate, inputs, rollout
 from .steps import GenerateStep, ScoreStep
 
 # fields of GRPOConfig / RLOOConfig that change what generation holds, not modelled
@@ -184,12 +185,34 @@ class GRPO(TrlTrainerKind):
                 "tokens, scores them and trains on prompt + completion rows through TRL's fused "
                 "log-prob head"]
 
+    def config_problems(self, options: Mapping[str, Any]) -> list[str]:
+        # the fields on their own: num_generations >= 2 (GRPOConfig.__post_init__), the
+        # counts, vLLM's share and the completion's length (``inputs``)
+        default = {f.name: f.default for f in dataclasses.fields(self.config_type())}
+        return inputs.value_problems(options, self.config_name, default["num_generations"])
+
+    def batch_problems(self, options: Mapping[str, Any], micro_batch: int, grad_accum: int,
+                       ranks: int) -> list[str]:
+        # GRPOConfig.__post_init__ on the generation batch (``inputs``); bad values are
+        # config_problems' to say
+        if self.config_problems(options):
+            return []
+        return inputs.generation_problems(options, self.config_name, micro_batch=micro_batch,
+                                          grad_accum=grad_accum, ranks=ranks)
+
+    @property
+    def config_name(self) -> str:
+        return self.config_class.rpartition(".")[2]
+
     def target_problems(self, options: Mapping[str, Any], target: int, ranks: int) -> list[str]:
         # GRPOConfig.__post_init__: the generation batch (per-device batch x processes x
-        # steps_per_generation, = the effective batch when steps_per_generation is the
-        # accumulation) must hold whole groups of num_generations completions
-        g = int(options.get("num_generations") or 1)
-        if target % g == 0:
+        # steps_per_generation) must hold whole groups of num_generations completions. With
+        # neither steps_per_generation nor generation_batch_size given it is the effective
+        # batch; with one of them, the planner keeps to per-device batches that make it whole
+        # (batch_problems)
+        g = options.get("num_generations")
+        if self.config_problems(options) or options.get("steps_per_generation") is not None \
+                or options.get("generation_batch_size") is not None or target % g == 0:
             return []
         lo = target - target % g
         near = ", ".join(str(v) for v in (lo, lo + g) if v > 0 and v % ranks == 0) or \
@@ -202,7 +225,7 @@ class GRPO(TrlTrainerKind):
                      callbacks: tuple[str, ...]) -> list[str]:
         return [f"{where}: trainer: {self.name}: `hf-memkit train` does not run {self.title}, "
                 "which needs your reward functions and prompts; build it yourself with "
-                f"plan.apply_to({self.config_class.rpartition('.')[2]}(...)) and "
+                f"plan.apply_to({self.config_name}(...)) and "
                 f"hf_memkit.MemoryCallback(plan.estimate) (hf-memkit plan {where} works as "
                 "it is)"]
 
