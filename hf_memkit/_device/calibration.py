@@ -11,7 +11,10 @@ The store: one JSON file per (GPU, driver, torch, CUDA) under ``calibration_dir(
 named by ``calibration_key``, written atomically (a temporary file, then ``os.replace``). Bytes
 throughout. What the store reads is checked as ``hf-memkit calibrate`` writes it: regular files
 of at most ``MAX_FILE_BYTES`` only (a FIFO or ``/dev/zero`` in its place is refused without a
-read), byte counts in [0, ``MAX_BYTES``], residuals in [``RESIDUAL_MIN``, ``RESIDUAL_MAX``].
+read), byte counts in [0, ``MAX_BYTES``], residuals in [``RESIDUAL_MIN``, ``RESIDUAL_MAX``], a
+``created`` time no more than ``CLOCK_SKEW_S`` ahead of this machine's clock (the newest
+calibration wins: a future date would win forever). A store folder that another user owns or
+that group or others may write is not read (``_store.trusted``).
 ``load_calibration(path)`` (a file the caller names) raises ``HfMemkitError`` naming the file
 and what is wrong; ``find_calibration`` (what estimates call) skips such a file with a warning
 saying how to remove it, so a broken cache file never stops an estimate: it falls back to the
@@ -38,6 +41,7 @@ import os
 import re
 import stat
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -46,7 +50,7 @@ from typing import Any
 
 from .._cuda.runtime import CALIBRATION
 from .._errors import ConfigError, HfMemkitError, quoted
-from .._store import cache_root
+from .._store import cache_root, folder_problem, make_folder, trusted
 from .._units import GiB
 
 logger = logging.getLogger(__name__)
@@ -66,6 +70,7 @@ RESIDUAL_MIN, RESIDUAL_MAX = -1.0, 10.0
 # 1-sigma: a GPU's residuals on its reference model do not make another model's trace exact.
 SIGMA_FLOOR = CALIBRATION.traced_cpu_sigma
 SIGMA_CONFIDENCE_Z = 1.6449   # the band's one-sided confidence: 95%
+CLOCK_SKEW_S = 24 * 3600      # how far ahead of this machine's clock `created` may be
 
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
@@ -186,6 +191,10 @@ def _problems(c: Calibration) -> list[str]:
         out.append(f"`created` must be an ISO 8601 string, got {quoted(c.created)}")
     elif c.created and _timestamp(c.created) is None:
         out.append(f"`created` is not an ISO 8601 time: {quoted(c.created)}")
+    elif c.created and _timestamp(c.created) > time.time() + CLOCK_SKEW_S:
+        now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        out.append(f"`created` {quoted(c.created)} is more than a day ahead of this machine's "
+                   f"clock ({now}); a calibration is dated when it is measured")
     return out
 
 
@@ -247,7 +256,10 @@ def save_calibration(cal: Calibration) -> Path:
         raise HfMemkitError(f"calibration file `{path}` is not a regular file; remove it "
                             "and re-run `hf-memkit calibrate`")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        make_folder(folder)
+        problem = folder_problem(folder)
+        if problem is not None:
+            raise HfMemkitError(f"the calibration is not saved: {problem}")
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{key}.", suffix=".tmp")
     except OSError as exc:
         why = exc.strerror or exc
@@ -320,7 +332,7 @@ def find_calibration(gpu: str, cuda: str | None, *, driver: str | None = None,
     it (a broken cache file never stops an estimate).
     """
     folder = calibration_dir()
-    if not folder.is_dir():
+    if not folder.is_dir() or not trusted(folder):
         return None
     found = []
     for p in sorted(folder.glob(_prefix(gpu, cuda) + "*.json")):

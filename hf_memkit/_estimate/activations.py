@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _store as store
-from .._cuda.events import EventLog
+from .._cuda.events import MARK, EventLog
 from .._cuda.target import CudaTarget
 from .._errors import HfMemkitError
 from .._model.facts import layer_count, with_layers
@@ -27,6 +29,7 @@ from .._trace.step import trace_step
 FULL_TRACE_MAX_LAYERS = 4
 EXTRAPOLATE_AT = (2, 3)
 CATEGORIES = ("Activation", "Temp", "Gradient")
+_KERNEL = re.compile(r"[\w.-]{1,64}")  # an SDPA kernel's name, as a trace entry may hold it
 
 
 @dataclass
@@ -61,16 +64,37 @@ class Excess:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Excess:
-        """``to_dict`` read back; malformed data raises ``ValueError``, ``TypeError`` or
-        ``KeyError``."""
-        return cls({str(k): int(v) for k, v in d["phases"].items()},
-                   {str(p): {str(k): int(v) for k, v in c.items()}
+        """``to_dict`` read back (an entry of the trace store: untrusted, so every byte count
+        and count is checked by ``store.count``); malformed data raises ``ValueError``,
+        ``TypeError`` or ``KeyError``."""
+        count = store.count
+        seconds = float(d["seconds"])
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError("the trace's seconds must be a finite non-negative number")
+        kernels = tuple(str(k) for k in d["sdpa_kernels"])
+        if not all(_KERNEL.fullmatch(k) for k in kernels):
+            raise ValueError("an SDPA kernel's name must be a short identifier")
+        return cls({str(k): count(v) for k, v in d["phases"].items()},
+                   {str(p): {str(k): count(v) for k, v in c.items()}
                     for p, c in d["categories"].items()},
-                   int(d["inputs"]), float(d["seconds"]), tuple(int(n) for n in d["layers"]),
-                   bool(d["lower_bound"]), tuple(str(k) for k in d["sdpa_kernels"]),
-                   tuple((int(n), EventLog.from_dict(log), tuple(int(b) for b in tr))
-                         for n, log, tr in d["replays"]),
-                   host=int(d["host"]), cuda_dropout=bool(d["cuda_dropout"]))
+                   count(d["inputs"]), seconds, tuple(count(n) for n in d["layers"]),
+                   bool(d["lower_bound"]), kernels,
+                   tuple((count(n), _counted(EventLog.from_dict(log)),
+                          tuple(count(b) for b in tr)) for n, log, tr in d["replays"]),
+                   host=count(d["host"]), cuda_dropout=bool(d["cuda_dropout"]))
+
+
+def _counted(log: EventLog) -> EventLog:
+    """``log``, once every handle, byte count and block index in it is a count
+    (``store.count``; ``ValueError`` otherwise)."""
+    for op, h, n in log.events:
+        store.count(n)
+        if op != MARK:
+            store.count(h)
+    blocks = [b for b, _ in log.where] + list(log.owner.values())
+    for n in [*log.owner, log.blocks, *(i for b in blocks if b is not None for i in b)]:
+        store.count(n)
+    return log
 
 
 def technique_hooks(setup: TrainingSetup) -> list[Any]:

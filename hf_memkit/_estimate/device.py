@@ -32,6 +32,7 @@ CPU_REL_SIGMA = CALIBRATION.traced_cpu_sigma
 # verdict), and answers the bracket's top: never below the smallest capacity
 FIT_RESOLUTION = 16 * MiB
 FIT_STEPS = 16
+HOW = ("traced", "extended", "deepened")  # how a replayed stream is built (``allocation``)
 
 
 @dataclass
@@ -170,8 +171,12 @@ class _Replay:
     def stored(self) -> Replayed | None:
         d = store.TraceStore().get(self.key) if self.key is not None else None
         try:
-            r = self._result(int(d["peak_allocated"]), int(d["peak_reserved"]),
-                             int(d["on_device"]), str(d["how"]), d.get("smallest"), keep=False)
+            smallest = d.get("smallest")
+            if d["how"] not in HOW:
+                raise ValueError("not a way of building the replayed stream")
+            r = self._result(store.count(d["peak_allocated"]), store.count(d["peak_reserved"]),
+                             store.count(d["on_device"]), d["how"],
+                             None if smallest is None else store.count(smallest), keep=False)
         except (TypeError, KeyError, ValueError, AttributeError):
             return None
         return r

@@ -15,13 +15,18 @@ the trace uncacheable: it is traced, never stored.
 
 Safety: the entries are zlib-compressed JSON (never pickle), so an entry holds data, not code.
 Each entry stores its full key, compared on read; an entry that is corrupt, unreadable, not a
-regular file, of another format or of another key is a miss and is removed. Writes go to a
+regular file, of another format or of another key is a miss and is removed. What an entry holds
+is checked by its reader (``count``: bytes and counts in [0, ``MAX_COUNT``]); one that fails is a
+miss, computed again and overwritten. On POSIX, a folder (or the cache root above it) that
+belongs to another user or that group or others may write is not used at all (``trusted``, with
+one warning saying how to fix it); the folders hf_memkit creates are 0o700. Writes go to a
 temporary file in the same folder, then ``os.replace``, so several processes may share the
 folder. The folder is kept under ``HF_MEMKIT_TRACE_CACHE_SIZE`` (default 512MiB) by removing the
 entries read least recently (a hit refreshes its entry's time).
 
-Switches: ``HF_MEMKIT_NO_CACHE=1`` (the CLI's ``--no-cache`` sets it), ``hf-memkit cache info``
-and ``hf-memkit cache clear``.
+Switches: ``HF_MEMKIT_NO_CACHE=1`` (the CLI's ``--no-cache`` sets it; ``0``, ``false``, ``no``,
+``off`` or empty leave the cache on, anything else is refused), ``hf-memkit cache info`` and
+``hf-memkit cache clear`` (which removes a link in a folder's place, never what it points to).
 
 Why it exists: a repeated question reuses the traces
 (docs/quality-bars.md#speed-and-footprint). Imports the ground floor only.
@@ -38,6 +43,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import stat
 import sys
 import tempfile
@@ -49,7 +55,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .._errors import HfMemkitError
+from .._errors import HfMemkitError, quoted
 from .._units import format_bytes, parse_bytes
 from .._version import __version__
 
@@ -62,7 +68,11 @@ MAX_INFLATED = 256 * 2**20  # an entry's JSON: a trace's is some 100 KiB
 STALE_TEMP_S = 3600           # a temporary file older than this is a writer's leftover
 LIBRARIES = ("torch", "transformers", "accelerate", "peft", "trl", "bitsandbytes")
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-_WARNED: set[str] = set()    # folders said to be unwritable (once per process)
+_WARNED: set[str] = set()    # folders said to be unwritable or untrusted (once per process)
+# the largest number an entry may hold: bytes (1 PiB, more than any machine has) or a count
+MAX_COUNT = 2**50
+SWITCH_ON = ("1", "true", "yes", "on")
+SWITCH_OFF = ("", "0", "false", "no", "off")
 
 
 class Unkeyable(Exception):
@@ -80,8 +90,16 @@ def cache_root() -> Path:
 
 
 def enabled() -> bool:
-    """Whether traces are read from and written to disk (off with ``HF_MEMKIT_NO_CACHE=1``)."""
-    return os.environ.get(NO_CACHE_ENV, "").strip().lower() in ("", "0", "false", "no", "off")
+    """Whether traces are read from and written to disk (off with ``HF_MEMKIT_NO_CACHE=1``);
+    ``HfMemkitError`` for a value that is neither on nor off."""
+    text = os.environ.get(NO_CACHE_ENV, "")
+    if text.strip().lower() in SWITCH_OFF:
+        return True
+    if text.strip().lower() in SWITCH_ON:
+        return False
+    raise HfMemkitError(f"{NO_CACHE_ENV}={quoted(text)} is neither on nor off; allowed: "
+                        f"{', '.join(SWITCH_ON)} (no cache) or {', '.join(SWITCH_OFF[1:])} "
+                        "(the cache on, as when it is unset or empty)")
 
 
 def traces_dir() -> Path:
@@ -104,6 +122,65 @@ def size_limit() -> int:
     except HfMemkitError as exc:
         raise HfMemkitError(f"{SIZE_ENV}={text!r}: {exc}; or unset it for the default "
                             f"({format_bytes(DEFAULT_LIMIT)})") from None
+
+
+def count(value: Any) -> int:
+    """``value``, read from an entry, as bytes or a count: an integer in [0, ``MAX_COUNT``];
+    ``ValueError`` for anything else (a broken or tampered entry)."""
+    if type(value) is not int or not 0 <= value <= MAX_COUNT:
+        raise ValueError("a count must be an integer in [0, 2**50]")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------
+# The folders
+# ----------------------------------------------------------------------------------------------
+
+
+def _checked(folder: Path) -> list[Path]:
+    """``folder`` and, where it lies in the cache root, each folder up to the root."""
+    root = cache_root()
+    return [q for q in (folder, *folder.parents) if q == root or root in q.parents] \
+        if folder == root or root in folder.parents else [folder]
+
+
+def folder_problem(folder: Path) -> str | None:
+    """Why ``folder`` must not be used: it, or the cache root above it, belongs to another user
+    or is writable by group or others (POSIX only). None where it is safe or absent."""
+    if not hasattr(os, "getuid"):
+        return None
+    for p in _checked(Path(folder)):
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        own = "set HF_MEMKIT_CACHE to a folder you own"
+        if st.st_uid != os.getuid():
+            what, fix = f"belongs to uid {st.st_uid}, not to you (uid {os.getuid()})", own
+        elif st.st_mode & 0o022:
+            what = f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):#o})"
+            fix = f"run `chmod go-w {shlex.quote(str(p))}`, or {own}"
+        else:
+            continue
+        return (f"the cache folder {p} {what}: whoever can write to it could plant what "
+                f"hf_memkit reads back, so nothing there is used; {fix}")
+    return None
+
+
+def trusted(folder: Path) -> bool:
+    """Whether ``folder`` may be read and written (``folder_problem``); warns once where not."""
+    problem = folder_problem(folder)
+    if problem is not None and problem not in _WARNED:
+        _WARNED.add(problem)
+        warnings.warn(problem, UserWarning, stacklevel=3)
+    return problem is None
+
+
+def make_folder(folder: Path) -> None:
+    """Create ``folder`` and the missing folders above it, each 0o700 (this user's own)."""
+    for p in reversed((folder, *folder.parents)):
+        if not p.is_dir():
+            p.mkdir(mode=0o700, exist_ok=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,6 +295,7 @@ class StoreInfo:
     size: int
     limit: int
     enabled: bool
+    problem: str | None = None   # why the folder is not used (``folder_problem``)
 
 
 class TraceStore:
@@ -234,6 +312,8 @@ class TraceStore:
         """The value stored under ``key``, or None (a miss: absent, corrupt or another key's;
         a bad entry is removed)."""
         p = self.path(key)
+        if not trusted(self.root):
+            return None
         try:
             st = os.stat(p, follow_symlinks=False)
         except OSError:
@@ -269,7 +349,9 @@ class TraceStore:
         if len(data) > self.limit:
             return
         try:
-            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # the user's own
+            make_folder(self.root)
+            if not trusted(self.root):
+                return
             fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-", suffix=SUFFIX)
             try:
                 with os.fdopen(fd, "wb") as f:
@@ -325,16 +407,29 @@ class TraceStore:
         return removed
 
     def clear(self) -> int:
-        """Remove every entry; returns how many."""
+        """Remove every entry; returns how many. Links are never followed: a link in the
+        folder's place is removed itself (with a warning), links among the entries likewise."""
+        if self.root.is_symlink():
+            target = os.readlink(self.root)
+            _remove(self.root)
+            warnings.warn(f"{self.root} was a link (to {target}), not a folder hf_memkit "
+                          "made: removed the link itself, nothing it points to", UserWarning,
+                          stacklevel=2)
+            return 0
+        if not trusted(self.root):
+            return 0
         entries = self._entries()
         for _, _, p in entries:
             _remove(p)
+        for p in self.root.glob("*" + SUFFIX):
+            if p.is_symlink():
+                _remove(p)
         return len(entries)
 
     def info(self) -> StoreInfo:
         entries = self._entries()
         return StoreInfo(self.root, len(entries), sum(size for _, size, _ in entries),
-                         self.limit, enabled())
+                         self.limit, enabled(), folder_problem(self.root))
 
 
 def _inflate(data: bytes) -> bytes:

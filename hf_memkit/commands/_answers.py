@@ -10,7 +10,12 @@ how this terminal renders (width, colours, whether it is one), and what the trac
 (``_store.versions``: hf_memkit's source and the libraries' versions), with hf_memkit's data files
 (the catalogs), the optional packages the planner looks for (FlashAttention, Liger, torchao,
 optimum) and this machine's CPU count (the planned dataloader workers). The value is what the first run printed, stdout and stderr, replayed as it was,
-with one line on stderr saying so. Only answers that succeeded (exit code 0) are kept.
+with one line on stderr saying so, and its exit code: a plan that fits (0) or a tight one (3).
+
+A kept answer is untrusted input: one that is not ``{"stdout", "stderr", "when", "code"}`` as
+written here is a miss (planned again and overwritten), and what is replayed keeps only printable
+text, newlines and tabs: every control character and escape sequence (a window title, a cleared
+screen, a moved cursor, colours) is dropped.
 
 ``--no-cache`` or ``HF_MEMKIT_NO_CACHE=1`` neither read nor keep them; ``hf-memkit cache clear``
 removes them with the traces. Entries are the trace store's (``_store.TraceStore``): JSON, never
@@ -24,8 +29,10 @@ import contextlib
 import importlib.util
 import io
 import os
+import re
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +48,14 @@ NOT_KEYED = ("HF_MEMKIT_CACHE", store.SIZE_ENV)
 # (the attention kernel), Liger (a technique), torchao (optimizers), optimum (BetterTransformer)
 OPTIONAL = ("flash_attn", "liger_kernel", "torchao", "optimum")
 NOT_ARGS = ("func", "before_torch")
+KEPT_FIELDS = {"stdout", "stderr", "when", "code"}
+KEPT_CODES = (0, 3)   # the exit codes of answers kept: a plan that fits, a tight one
+_WHEN = re.compile(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}[\w .:+-]{0,64}")
+# what a replay drops: CSI sequences (colours included); OSC, DCS, SOS, PM and APC strings up
+# to their terminator; any other escape; C0 controls but \t and \n; DEL; C1
+_CONTROL = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]?"
+                      r"|\x1b[\]PX^_][^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?|\x1b[\s\S]?"
+                      r"|[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 def answer_store() -> store.TraceStore:
@@ -89,19 +104,35 @@ def _known_inputs(args: argparse.Namespace) -> bool:
 
 
 def replay(key: str | None, command: str) -> int | None:
-    """Print the kept answer of ``key`` and return its exit code (0); None on a miss."""
+    """Print the kept answer of ``key`` and return its exit code; None on a miss."""
     if key is None:
         return None
-    kept = answer_store().get(key)
-    if not isinstance(kept, dict) or not all(isinstance(kept.get(k), str)
-                                             for k in ("stdout", "stderr", "when")):
+    with warnings.catch_warnings(record=True) as caught:  # before the CLI shows them as lines
+        warnings.simplefilter("always")
+        kept = answer_store().get(key)
+    for w in caught:  # the cache folder not used (``store.trusted``)
+        print(f"hf-memkit {command}: warning: {w.message}", file=sys.stderr)
+    if not _well_formed(kept):
         return None
-    sys.stdout.write(kept["stdout"])
+    sys.stdout.write(printable(kept["stdout"]))
     sys.stdout.flush()
-    sys.stderr.write(kept["stderr"])
+    sys.stderr.write(printable(kept["stderr"]))
     print(f"hf-memkit {command}: the answer kept from {kept['when']} (the same question; "
           "--no-cache plans again, hf-memkit cache clear removes kept answers)", file=sys.stderr)
-    return 0
+    return kept["code"]
+
+
+def _well_formed(kept: Any) -> bool:
+    """Whether ``kept`` is what ``Recording.keep`` writes."""
+    return (isinstance(kept, dict) and set(kept) == KEPT_FIELDS
+            and all(isinstance(kept[k], str) for k in ("stdout", "stderr", "when"))
+            and type(kept["code"]) is int and kept["code"] in KEPT_CODES
+            and _WHEN.fullmatch(kept["when"]) is not None)
+
+
+def printable(text: str) -> str:
+    """``text`` without control characters and escape sequences."""
+    return _CONTROL.sub("", text)
 
 
 class _Tee:
@@ -123,19 +154,21 @@ class _Tee:
 
 
 class Recording:
-    """What a command prints while it answers; ``keep()`` stores it under the question's key."""
+    """What a command prints while it answers; ``keep(code)`` stores it, with the exit code,
+    under the question's key."""
 
     def __init__(self, key: str | None) -> None:
         self.key = key
         self.out: _Tee | None = None
         self.err: _Tee | None = None
 
-    def keep(self) -> None:
-        if self.key is None or self.out is None or self.err is None:
+    def keep(self, code: int = 0) -> None:
+        if self.key is None or self.out is None or self.err is None or code not in KEPT_CODES:
             return
         when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime())
         answer_store().put(self.key, {"stdout": self.out.copy.getvalue(),
-                                      "stderr": self.err.copy.getvalue(), "when": when})
+                                      "stderr": self.err.copy.getvalue(), "when": when,
+                                      "code": code})
 
 
 @contextlib.contextmanager

@@ -51,7 +51,9 @@ def cache_parser(sub) -> argparse.ArgumentParser:
     info.set_defaults(func=info_command)
     clear = csub.add_parser("clear", help="remove every kept trace and answer",
                             description="Remove every entry of the trace cache and every "
-                                        "kept answer (calibrations are kept).",
+                                        "kept answer (calibrations are kept). A link in the "
+                                        "place of their folder is removed itself, never "
+                                        "followed.",
                             epilog="Examples:\n  hf-memkit cache clear",
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     clear.set_defaults(func=clear_command)
@@ -66,19 +68,23 @@ def info_command(args: argparse.Namespace) -> int:
     i = TraceStore().info()
     a = TraceStore(answers_dir()).info()
     d = {"path": str(i.path), "entries": i.entries, "size": i.size, "limit": i.limit,
-         "enabled": i.enabled,
-         "answers": {"path": str(a.path), "entries": a.entries, "size": a.size}}
+         "enabled": i.enabled, "problem": i.problem,
+         "answers": {"path": str(a.path), "entries": a.entries, "size": a.size,
+                     "problem": a.problem}}
     if args.json:
         print(json.dumps(d, indent=2))
         return 0
+    in_use = "no (HF_MEMKIT_NO_CACHE is set)" if not i.enabled else \
+        f"no: {i.problem}" if i.problem else "yes"
     # plain lines: the path stays whole, to copy
     print(f"trace cache: {d['path']}\n"
           f"  entries: {i.entries}\n"
           f"  size:    {format_bytes(i.size)} of at most {format_bytes(i.limit)} "
           "(HF_MEMKIT_TRACE_CACHE_SIZE)\n"
-          f"  in use:  {'yes' if i.enabled else 'no (HF_MEMKIT_NO_CACHE is set)'}\n"
+          f"  in use:  {in_use}\n"
           f"kept answers (hf-memkit plan asked again): {a.path}\n"
-          f"  entries: {a.entries}, {format_bytes(a.size)}\n"
+          f"  entries: {a.entries}, {format_bytes(a.size)}"
+          + (f"; not used: {a.problem}" if a.problem else "") + "\n"
           "hf-memkit cache clear empties both")
     return 0
 

@@ -113,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 args.fields = typed_fields(args.fields)
             code = int(args.func(args) or 0)
-            if code == 0 or args.command in ("estimate", "plan"):  # their verdict's status
-                rec.keep()
+            rec.keep(code)   # a plan that fits or a tight one (``_answers.KEPT_CODES``)
             return code
     except HfMemkitError as exc:
         print(f"hf-memkit {args.command}: error: {exc}", file=sys.stderr)

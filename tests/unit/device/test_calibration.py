@@ -13,8 +13,10 @@ import json
 import math
 import os
 import re
+import stat
 import subprocess
 import sys
+from datetime import datetime, timedelta, timezone
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from transformers import LlamaConfig
 
 import hf_memkit as mk
 from hf_memkit import HfMemkitError
+from hf_memkit import _store as store
 from hf_memkit._cuda import runtime as _cuda
 from hf_memkit._device import calibration as calmod
 from hf_memkit._device import measure as measure_mod
@@ -316,6 +319,37 @@ def test_find_matches_gpu_and_cuda_and_newest_wins(cache):
     assert find_calibration(H100, None) is None
     assert find_calibration("NVIDIA H100", "12.4") is None          # names match exactly
     assert find_calibration("NVIDIA H100 PCIe", "12.4") is None
+
+
+def test_a_calibration_dated_in_the_future_never_wins(cache):
+    """The newest calibration is the one used: a file dated past this machine's clock (more
+    than a day of skew) would win forever, so it is refused like any other bad value."""
+    now = datetime.now(timezone.utc)
+    real = make_cal(created=(now - timedelta(days=1)).isoformat(timespec="seconds"))
+    save_calibration(real)
+    planted = save_calibration(make_cal(driver="535.104.05"))
+    d = json.loads(planted.read_text())
+    d["created"] = (now + timedelta(days=3650)).isoformat(timespec="seconds")
+    planted.write_text(json.dumps(d))
+    future = "(?s)" + re.escape(str(planted)) + ".*more than a day ahead of this machine's clock"
+    with pytest.warns(UserWarning, match=future):
+        assert find_calibration(H100, "12.4") == real
+    skewed = (now + timedelta(hours=2)).isoformat(timespec="seconds")  # a clock a little ahead
+    assert make_cal(created=skewed).created == skewed
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="owners and modes are POSIX")
+def test_a_calibration_folder_others_may_write_is_not_used(cache, monkeypatch):
+    monkeypatch.setattr(store, "_WARNED", set())
+    save_calibration(make_cal())
+    assert stat.S_IMODE(cache.stat().st_mode) == stat.S_IMODE(cache.parent.stat().st_mode) \
+        == 0o700                                            # created as this user's own
+    cache.chmod(0o777)
+    with pytest.warns(UserWarning, match=f"the cache folder {re.escape(str(cache))} is "
+                                         "writable by group or others"):
+        assert find_calibration(H100, "12.4") is None
+    with pytest.raises(HfMemkitError, match="the calibration is not saved: .*chmod go-w"):
+        save_calibration(make_cal())
 
 
 def test_find_without_a_cache_dir_is_none(cache):

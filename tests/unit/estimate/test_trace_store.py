@@ -9,6 +9,7 @@ import collections
 import dataclasses
 import inspect
 import json
+import math
 import multiprocessing
 import os
 import subprocess
@@ -238,6 +239,44 @@ def test_a_damaged_entry_is_a_miss_and_goes(disk, damage):
     assert again.trace_seconds != first.trace_seconds
     _same(again, first)
     assert target.is_file() and not target.is_symlink()  # rewritten as a regular entry
+
+
+def _tampered(value: dict, where: str, number) -> dict:
+    """A trace (or allocator replay) entry's value with ``number`` written at ``where``."""
+    if where == "phases":
+        value["phases"] = {k: number for k in value["phases"]}
+    elif where == "events":  # the first allocation's bytes in the allocator's event log
+        value["replays"][0][1]["events"][1][2] = number
+    elif where == "replay":
+        value.update(peak_allocated=number, peak_reserved=number, on_device=number)
+    else:
+        value[where] = number
+    return value
+
+
+@pytest.mark.parametrize("where, number", [
+    ("phases", -10**15), ("phases", 2**60), ("phases", "-4096"), ("inputs", 1.5),
+    ("seconds", float("nan")), ("events", -10**15), ("replay", -10**15),
+    ("how", "\x1b]0;pwned\x07"),
+])
+def test_an_entry_holding_what_no_trace_holds_is_a_miss(disk, where, number):
+    """Negative, huge or non-integer byte counts (a planted entry) are never trusted: the step is
+    traced (or replayed) again, the answer is a fresh one's and the entry is overwritten."""
+    first = _estimate()
+    kind = "replay" if where in ("replay", "how") else "trace"
+    for p in _entries(disk):
+        entry = json.loads(zlib.decompress(p.read_bytes()))
+        if ("phases" in entry["value"]) == (kind == "trace"):
+            entry["value"] = _tampered(entry["value"], where, number)
+            p.write_bytes(zlib.compress(json.dumps(entry).encode()))
+    again = _estimate()
+    _same(again, first)
+    if kind == "trace":
+        assert math.isfinite(again.trace_seconds) and again.trace_seconds != first.trace_seconds
+    for p in _entries(disk):  # rewritten with what the step holds
+        value = json.loads(zlib.decompress(p.read_bytes()))["value"]
+        assert all(isinstance(v, int) and v >= 0 for v in value.get("phases", {}).values())
+        assert value.get("how", "traced") in ("traced", "extended", "deepened")
 
 
 def test_least_recently_used_entries_go_first(tmp_path):
