@@ -37,6 +37,9 @@ sys.path.insert(0, str(HERE))
 GRPO_VLLM = {"use_vllm": True, "vllm_mode": "colocate", "per_device_train_batch_size": 4,
              "num_generations": 8, "max_completion_length": 512, "bf16": True,
              "gradient_checkpointing": True, "vllm_gpu_memory_utilization": 0.3}
+# on one process: two accumulation steps make the generation batch (4 x 2) whole groups of 8,
+# as TRL requires
+GRPO_VLLM_1 = {**GRPO_VLLM, "gradient_accumulation_steps": 2}
 DS3 = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
 LORA = {"r": 16, "lora_alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
@@ -137,11 +140,11 @@ def estimate_questions() -> dict[str, tuple[tuple, dict]]:
             ("Llama-3.2-1B", {**b, "num_generations": 4, "max_completion_length": 256,
                               "deepspeed": DS3}),
             dict(trainer="grpo", seq_len=256, device="H100-80GB", num_gpus=4)),
-        "qwen3 4b grpo vllm colocate": (("Qwen3-4B", GRPO_VLLM),
+        "qwen3 4b grpo vllm colocate": (("Qwen3-4B", GRPO_VLLM_1),
                                         dict(trainer="grpo", seq_len=512, device="H100-80GB",
                                              dtype="bfloat16")),
         "qwen3 4b grpo vllm sleep lora": (
-            ("Qwen3-4B", {**GRPO_VLLM, "vllm_enable_sleep_mode": True,
+            ("Qwen3-4B", {**GRPO_VLLM_1, "vllm_enable_sleep_mode": True,
                           "vllm_importance_sampling_correction": True}),
             dict(trainer="grpo", seq_len=512, device="RTX-4090", dtype="bfloat16",
                  peft_config="lora")),

@@ -204,7 +204,7 @@ def dims_problems(dims: ParallelDims, *, processes: int, engine: str) -> list[st
                    f"cp x sp = {dims.dp_replicate} x {dims.dp_shard} x {dims.tp} x {dims.cp} x "
                    f"{dims.sp}) must equal the number of processes ({processes}); "
                    + _nearest_total(dims, processes))
-    out += _engine_problems(dims, engine)
+    out += engine_problems(dims, engine)
     return out
 
 
@@ -215,7 +215,9 @@ def _nearest_total(dims: ParallelDims, processes: int) -> str:
     return (f"choose degrees whose product is {processes}, or num_gpus={dims.total}")
 
 
-def _engine_problems(dims: ParallelDims, engine: str) -> list[str]:
+def engine_problems(dims: ParallelDims, engine: str) -> list[str]:
+    """What ``engine`` cannot run of ``dims`` (context parallelism needs FSDP2, sequence
+    parallelism DeepSpeed, ...)."""
     out = []
     if dims.cp > 1 and engine != "fsdp":
         out.append(f"cp_size={dims.cp}: context parallelism runs on FSDP2 (torch ring attention "

@@ -131,18 +131,21 @@ class PlanRequest:
             not any(e.selected(self.pins.get) for e in ENGINES)
 
     @cached_property
-    def dims(self) -> ParallelDims:
-        """The run's tensor / context / sequence degrees: a pinned ``parallelism_config``'s
-        (read once here), else the planner's ``split``."""
+    def pinned_dims(self) -> ParallelDims | None:
+        """A pinned ``parallelism_config``'s degrees (read once here), else None."""
         pinned = self.pins.get("parallelism_config")
-        if pinned:
-            try:
-                dims = read_dims(pinned)
-            except ConfigError:  # said by normalize_args, with the other problems
-                dims = None
-            if dims is not None:
-                return dims
-        return self.split
+        if not pinned:
+            return None
+        try:
+            return read_dims(pinned)
+        except ConfigError:  # said by normalize_args, with the other problems
+            return None
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The run's tensor / context / sequence degrees: a pinned ``parallelism_config``'s,
+        else the planner's ``split``."""
+        return self.pinned_dims or self.split
 
     @property
     def data_parallel(self) -> int:

@@ -14,7 +14,7 @@ from transformers import PretrainedConfig
 
 from .._compat import is_flash_attn_available
 from .._device.probe import DeviceInfo
-from .._engines import ENGINES, ParallelDims, Rung, all_rungs
+from .._engines import ENGINES, ParallelDims, Rung, all_rungs, engine_problems
 from .._engines.single import SINGLE as SINGLE_ENGINE
 from .._errors import HfMemkitError
 from .._estimate import MemoryEstimate
@@ -217,7 +217,22 @@ def strategies(req: PlanRequest, method: Method) -> list[Rung]:
     rungs = [r for e in ENGINES if e.replicates for r in e.rungs()]
     if not engine.replicates:
         rungs += engine.rungs()
-    return [r for r in rungs if method.allows_rung(r)]
+    rungs = [r for r in rungs if method.allows_rung(r)]
+    dims = req.pinned_dims
+    return rungs if dims is None else pinned_dims_rungs(req, method, dims, rungs) or rungs
+
+
+def pinned_dims_rungs(req: PlanRequest, method: Method, dims: ParallelDims,
+                      rungs: list[Rung]) -> list[Rung]:
+    """The rungs that run a pinned ``parallelism_config``: with a sequence split, the split
+    rungs of the engines that run it (context parallelism: FSDP2; sequence parallelism:
+    DeepSpeed), as the planner's own splits; otherwise those of ``rungs`` whose engine takes
+    the degrees. Empty where none does (the estimate then says why, naming the degrees)."""
+    if dims.splits_sequence == 1:
+        return [r for r in rungs if not engine_problems(dims, r.engine)]
+    return [r.split(dims) for e in ENGINES if req.engine in ("auto", e.name)
+            and not engine_problems(dims, e.name) for r in e.split_rungs()
+            if method.allows_rung(r)]
 
 
 def user_optimizer(req: PlanRequest) -> str:

@@ -306,3 +306,25 @@ def test_a_split_that_cannot_fit_is_refused_after_one_search():
     out = plan_split(req, from_four, HfMemkitError("whole sequences do not fit"))
     assert (out.cp, out.comm) == (4, "allgather")
     assert tried == [(8, "alltoall"), (2, "allgather"), (2, "alltoall"), (4, "allgather")]
+
+
+@pytest.mark.parametrize("pinned, engine, stage", [
+    ({"cp_size": 2}, "fsdp", None), ({"sp_size": 2}, "deepspeed", 3),
+    ({"cp_size": 2, "dp_shard_size": 2}, "fsdp", None)])
+def test_a_pinned_split_is_planned_on_the_engine_that_runs_it(pinned, engine, stage):
+    """Issue 47: a pinned cp_size used to ask the user to add FSDP2 (the DDP candidates refused
+    it); the planner picks the engine itself, as for its own splits."""
+    ranks = 2 * pinned.get("dp_shard_size", 1)
+    plan = _plan(seq_len=16384, target_batch_size=ranks, num_gpus=ranks,
+                 parallelism_config=pinned)
+    ta, dims = plan.training_args_kwargs, plan.estimate.setup.parallel
+    assert (dims.cp, dims.sp, dims.dp_shard) == (pinned.get("cp_size", 1),
+                                                  pinned.get("sp_size", 1),
+                                                  pinned.get("dp_shard_size", 1))
+    assert all(ta["parallelism_config"][k] == v for k, v in pinned.items())
+    if engine == "fsdp":
+        assert ta["fsdp"] and ta["fsdp_config"]["version"] == 2 and "deepspeed" not in ta
+    else:
+        assert ta["deepspeed"]["zero_optimization"]["stage"] == stage and "fsdp" not in ta
+        assert ta["deepspeed"]["train_batch_size"] == plan.chosen.micro_batch * \
+            plan.chosen.grad_accum          # one data-parallel rank: both ranks split a sequence
