@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from collections.abc import Iterable
 
 
@@ -37,6 +38,26 @@ def did_you_mean(value: str, allowed: Iterable[str]) -> str:
     return f" (did you mean `{close[0]}`?)" if close else ""
 
 
+# what ``printable`` drops: CSI sequences (colours included); OSC, DCS, SOS, PM and APC strings up
+# to their terminator; any other escape; C0 controls but \t and \n; DEL; C1
+_CONTROL = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]?"
+                      r"|\x1b[\]PX^_][^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?|\x1b[\s\S]?"
+                      r"|[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` without control characters and escape sequences: what a terminal shows of text
+    hf_memkit did not write itself (a kept answer, a value quoted in an error) stays text."""
+    return _CONTROL.sub("", text)
+
+
+def visible(text: str) -> str:
+    """``text`` with each control character but \\t and \\n written as its escape (``\\x1b``): an
+    error quoting what a user typed shows it, and the terminal runs none of it."""
+    return _CONTROL_CHAR.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+_CONTROL_CHAR = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 EXCERPT = 80  # characters of anything read from a file or given by a user that a message quotes
 
 

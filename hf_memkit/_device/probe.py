@@ -203,6 +203,10 @@ def probe_device(index: int | None = None) -> DeviceInfo:
     """
     import torch  # here, not at module level: `hf-memkit devices` and `--help` need no torch
 
+    if index is not None and (not isinstance(index, int) or isinstance(index, bool) or index < 0):
+        raise HfMemkitError(f"CUDA device index {index!r} is not a device index; give an "
+                            "integer >= 0 (0 is the first device CUDA shows), or None for this "
+                            "process's own")
     if _cuda_available():
         count = torch.cuda.device_count()
         if index is None:

@@ -103,7 +103,7 @@ def resolve_config(ref: str | os.PathLike) -> PretrainedConfig:
     except OSError:  # a name too long for the file system: no file, maybe a catalog name
         is_dir = is_json = False
     if is_dir:
-        if not (path / "config.json").is_file():
+        if not os.path.lexists(path / "config.json"):  # a FIFO or a device: read_user_file says
             raise HfMemkitError(
                 f"directory `{path}` has no config.json; point at a model directory "
                 "(as written by save_pretrained) or use a catalog name: "

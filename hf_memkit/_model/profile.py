@@ -17,7 +17,7 @@ import torch
 import transformers
 from transformers import PretrainedConfig, PreTrainedModel
 
-from .._errors import HfMemkitError, quoted
+from .._errors import HfMemkitError, excerpt, quoted
 from .catalog import resolve_config
 from .facts import DECODER_DEPTH_KEYS, DEPTH_KEYS
 from .tasks import TASKS, normalize_task, task_of_class
@@ -146,6 +146,11 @@ def model_from_config(config: PretrainedConfig, task: str | None = None, *,
             f"transformers cannot build a `{config.model_type}` model for task `{task}` "
             f"({exc}); choose another task from: {', '.join(TASKS.names())}"
         ) from exc
+    except (RuntimeError, ArithmeticError, TypeError, IndexError) as exc:  # a size it cannot take
+        raise HfMemkitError(
+            f"transformers cannot build a `{config.model_type}` model from this config "
+            f"({type(exc).__name__}: {excerpt(exc, 200)}); fix the config's sizes (hidden_size, "
+            "num_attention_heads, intermediate_size, ...) to the model's real ones") from exc
 
 
 def load_quantized(auto_cls: Any, config: PretrainedConfig, quantization_config: Any,

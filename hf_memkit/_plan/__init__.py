@@ -27,7 +27,7 @@ import torch
 
 from .._compat import spare_the_collector
 from .._engines import engine_choices
-from .._errors import ConfigError, HfMemkitError
+from .._errors import ConfigError, HfMemkitError, quoted
 from .._estimate.budget import resolve_headroom
 from .._methods import METHODS, Method, ladder, method_choices
 from .._model.profile import architecture_facts, unwrap_model
@@ -334,6 +334,12 @@ def auto_training_args(model: Any, *, base_args: Any = None, **kwargs: Any):
         HfMemkitError: When only a setup that needs the model prepared otherwise fits, no
             setup fits, `method` asks for such a setup, or a quantized base has no adapters.
     """
+    from transformers import TrainingArguments
+
+    if base_args is not None and not isinstance(base_args, TrainingArguments):
+        raise HfMemkitError(f"base_args: expected TrainingArguments or a subclass of it "
+                            f"(SFTConfig, DPOConfig, ...), got {type(base_args).__name__} "
+                            f"{quoted(base_args)}; or leave it out")
     fields = training_args_fields()
     overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in fields and k not in MEMORY_FIELDS}
     given, dtype, words = _as_given(model)

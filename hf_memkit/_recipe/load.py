@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from .._errors import ConfigError, did_you_mean, not_a_file
+from .._errors import ConfigError, HfMemkitError, did_you_mean, not_a_file, read_user_file
 from .schema import Recipe
 from .validate import validate
 
@@ -38,9 +38,9 @@ def load_recipe(path: str | os.PathLike) -> Recipe:
     file = resolve_recipe_path(path)
     where = _display(file)
     try:
-        data = file.read_bytes()
-    except OSError as exc:
-        raise ConfigError([f"{where}: cannot read: {exc.strerror}"], source=where) from None
+        data = read_user_file(file, what="a recipe .yaml file", cap=RECIPE_CAP, name=where)
+    except HfMemkitError as exc:
+        raise ConfigError([str(exc)], source=where) from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -81,6 +81,7 @@ def load_recipe(path: str | os.PathLike) -> Recipe:
 # values expand beyond these budgets are rejected before anything walks them.
 MAX_ALIASES = 100
 MAX_VALUES = 10_000
+RECIPE_CAP = 2**20   # bytes: a recipe is a few dozen lines (the bundled ones under 2 KiB)
 
 
 class _RecipeYAMLError(yaml.YAMLError):

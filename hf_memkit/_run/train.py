@@ -350,9 +350,10 @@ def run_args(recipe: Recipe, plan: Any, outputs: dict[str, Any]) -> Any:
 def with_max_steps(recipe: Recipe, max_steps: int) -> Recipe:
     """``max_steps`` pinned; a recipe ``logging_steps`` longer than the run is shortened so the
     memory logs still appear."""
-    if not isinstance(max_steps, int) or max_steps < 1:
-        raise ConfigError([f"--max-steps: expected a positive integer, got {max_steps!r}"],
-                          source="command line")
+    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or \
+            not 1 <= max_steps <= 2**31:
+        raise ConfigError([f"max_steps: expected a positive integer of at most 2**31, got "
+                           f"{max_steps!r}"], source="train_recipe")
     pins = {"max_steps": max_steps}
     logging = recipe.pins.get("logging_steps")
     if isinstance(logging, (int, float)) and logging >= 1 and logging > max_steps // 2:

@@ -240,8 +240,8 @@ _STEPS = "a positive number of steps (an integer), or a ratio of the run in (0, 
 _BATCH = f"a positive integer (at most {MAX_BATCH} = 2**20)"
 FIELD_RANGES: dict[str, tuple[Any, str]] = {
     # transformers.TrainingArguments
-    "max_steps": (lambda v: v == -1 or v > 0, "a positive number of optimizer steps, or -1 (the "
-                                              "default: train for num_train_epochs)"),
+    "max_steps": (lambda v: v == -1 or 0 < v <= 2**31, "a positive number of optimizer steps "
+                  "(at most 2**31), or -1 (the default: train for num_train_epochs)"),
     "num_train_epochs": (lambda v: v > 0, "a positive number of epochs"),
     "learning_rate": (lambda v: v >= 0, "a learning rate >= 0, e.g. 2e-4"),
     "warmup_steps": (lambda v: v >= 0, "steps >= 0 (or a ratio of the run in [0, 1))"),

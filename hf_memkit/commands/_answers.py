@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import _store as store
+from .._errors import printable
 
 COMMANDS = ("plan",)
 # variables whose value can change a plan (the allocator's and cuBLAS's options, the CUDA
@@ -51,11 +52,6 @@ NOT_ARGS = ("func", "before_torch")
 KEPT_FIELDS = {"stdout", "stderr", "when", "code"}
 KEPT_CODES = (0, 3)   # the exit codes of answers kept: a plan that fits, a tight one
 _WHEN = re.compile(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}[\w .:+-]{0,64}")
-# what a replay drops: CSI sequences (colours included); OSC, DCS, SOS, PM and APC strings up
-# to their terminator; any other escape; C0 controls but \t and \n; DEL; C1
-_CONTROL = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]?"
-                      r"|\x1b[\]PX^_][^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?|\x1b[\s\S]?"
-                      r"|[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 def answer_store() -> store.TraceStore:
@@ -128,11 +124,6 @@ def _well_formed(kept: Any) -> bool:
             and all(isinstance(kept[k], str) for k in ("stdout", "stderr", "when"))
             and type(kept["code"]) is int and kept["code"] in KEPT_CODES
             and _WHEN.fullmatch(kept["when"]) is not None)
-
-
-def printable(text: str) -> str:
-    """``text`` without control characters and escape sequences."""
-    return _CONTROL.sub("", text)
 
 
 class _Tee:

@@ -33,6 +33,7 @@ from .._device.calibration import (
 )
 from .._errors import HfMemkitError, TrainingFailed
 from .._units import format_bytes
+from .estimate import device_index
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -76,7 +77,8 @@ def calibrate_parser(sub) -> argparse.ArgumentParser:
                "Needs a CUDA GPU with about 6 GiB free; plans for catalog GPUs do not.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--device", type=int, default=0, metavar="N", help="CUDA device index")
+    p.add_argument("--device", type=device_index, default=0, metavar="N",
+                   help="CUDA device index")
     p.add_argument("--check", action="store_true",
                    help=f"also train {len(CHECKS)} small setups, print predicted vs measured "
                         "and store the residuals")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from .estimate import steps
 from .train import add_output_arguments
 
 DEMO_RECIPE = "recipes/tiny-llama/1m_full_cpu.yaml"
@@ -21,7 +22,7 @@ def demo_parser(sub) -> argparse.ArgumentParser:
                f"  hf-memkit train {DEMO_RECIPE}      # the same run",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--steps", type=int, default=None,
+    p.add_argument("--steps", type=steps, default=None,
                    help="optimizer steps (default: the recipe's max_steps, 40)")
     add_output_arguments(p, "where the model and reports go (default: the recipe's, "
                             "demo_output)")

@@ -62,9 +62,22 @@ def at_most(limit: int, what: str):
     return parse
 
 
+def device_index(text: str) -> int:
+    """``--index``, ``--device``: a CUDA device index, an integer >= 0."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise FieldError(f"expected a CUDA device index, an integer >= 0 (0 is the first device "
+                         f"CUDA shows), got `{excerpt(text)}`")
+    return v
+
+
 tokens = at_most(MAX_TOKENS, "tokens (2**24)")
 samples = at_most(MAX_BATCH, "samples (2**20)")
 gpus = at_most(MAX_RANKS, "(2**17)")
+steps = at_most(2**31, "optimizer steps (2**31)")
 lora_rank = at_most(2**16, "(2**16; a rank above a layer's width adds nothing)")
 
 
@@ -416,6 +429,10 @@ def estimate_command(args: argparse.Namespace) -> int:
     if "dtype" in method:
         args.dtype = method.pop("dtype")
     if args.batch is not None:
+        given = fields.get("per_device_train_batch_size", args.batch)
+        if given != args.batch:
+            raise HfMemkitError(f"--batch {args.batch} and per_device_train_batch_size={given} "
+                                "name two batches; give one of them")
         fields["per_device_train_batch_size"] = args.batch
         fields.setdefault("per_device_eval_batch_size", args.batch)
     if args.max_batch or args.max_seq_len:

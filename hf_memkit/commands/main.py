@@ -10,7 +10,7 @@ import contextlib
 import sys
 import warnings
 
-from .._errors import HfMemkitError, TrainingFailed
+from .._errors import HfMemkitError, TrainingFailed, visible
 from . import (
     _answers,
     cache,
@@ -36,7 +36,7 @@ class Parser(argparse.ArgumentParser):
             flag = message.removeprefix("argument ").split(":")[0].split("/")[-1]
             message += (f" (a value that starts with '-' goes after '=': {flag}=-VALUE; the "
                         "value itself is then checked)")
-        super().error(message)
+        super().error(visible(message))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,7 +69,7 @@ def _warnings_as_lines(command: str):
 
     def show(message, category, filename, lineno, file=None, line=None):
         if issubclass(category, UserWarning):
-            print(f"hf-memkit {command}: warning: {message}", file=sys.stderr)
+            print(f"hf-memkit {command}: warning: {visible(str(message))}", file=sys.stderr)
         else:
             shown(message, category, filename, lineno, file, line)
 
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             args.fields = list(args.fields) + [field_text(e) for e in extra]
         except HfMemkitError as exc:
-            print(f"hf-memkit {args.command}: error: {exc}", file=sys.stderr)
+            print(f"hf-memkit {args.command}: error: {visible(str(exc))}", file=sys.stderr)
             return 2
     if not getattr(args, "func", None):
         parser.print_help()
@@ -116,10 +116,10 @@ def main(argv: list[str] | None = None) -> int:
             rec.keep(code)   # a plan that fits or a tight one (``_answers.KEPT_CODES``)
             return code
     except HfMemkitError as exc:
-        print(f"hf-memkit {args.command}: error: {exc}", file=sys.stderr)
+        print(f"hf-memkit {args.command}: error: {visible(str(exc))}", file=sys.stderr)
         return 2
     except TrainingFailed as exc:
-        print(f"hf-memkit {args.command}: run failed: {exc}", file=sys.stderr)
+        print(f"hf-memkit {args.command}: run failed: {visible(str(exc))}", file=sys.stderr)
         return 1
 
 

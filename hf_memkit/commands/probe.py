@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from .estimate import device_index
+
 
 def probe_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
@@ -13,7 +15,7 @@ def probe_parser(sub) -> argparse.ArgumentParser:
         epilog="Examples:\n  hf-memkit probe\n  hf-memkit probe --index 1 --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--index", type=int, default=None,
+    p.add_argument("--index", type=device_index, default=None,
                    help="CUDA device index (default: this process's device: LOCAL_RANK, else 0)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p

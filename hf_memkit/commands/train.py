@@ -10,7 +10,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from .._units import format_bytes
-from .estimate import parse_field
+from .estimate import parse_field, steps
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -52,7 +52,7 @@ def train_parser(sub) -> argparse.ArgumentParser:
                    help="TrainingArguments fields pinned on top of the recipe's pins")
     add_output_arguments(p, "override the recipe's output_dir (a relative path stays inside "
                             "the working directory; give an absolute path to write elsewhere)")
-    p.add_argument("--max-steps", type=int, default=None, help="override max_steps")
+    p.add_argument("--max-steps", type=steps, default=None, help="override max_steps")
     p.add_argument("--push-to-hub", action="store_true",
                    help="push the model to the Hugging Face Hub (the repository: the "
                         "recipe's hub_model_id, else the output directory's name); without "

@@ -65,6 +65,13 @@ CASES = {
                               ["--max-memory", "goes after '='", "--max-memory=-VALUE"]),
     "a device as the model": (["estimate", "/dev/zero", "--gpu", "T4", "--seq-len", "128"],
                               ["`/dev/zero` is a device", "give a model directory"]),
+    "escapes in a GPU name": (["estimate", "gpt2", "--gpu", "T4\x1b]0;pwned\x07\x1b[2J",
+                               "--seq-len", "64"],
+                              ["unknown GPU `T4\\x1b]0;pwned\\x07\\x1b[2J`"]),
+    "probe --index -1": (["probe", "--index", "-1"], ["--index", "integer >= 0", "`-1`"]),
+    "demo --steps 0": (["demo", "--steps", "0"], ["--steps", "positive integer", "`0`"]),
+    "train --max-steps 10**30": (["train", "tiny-llama/1m_full_cpu", "--max-steps", "1" + "0" * 30],
+                                 ["--max-steps", "at most 2147483648 optimizer steps"]),
     "negative --max-memory=": (["plan", "gpt2", "--gpu", "T4", *PLAN, "--max-memory=-5GiB"],
                                ["--max-memory", "`-5GiB`"]),
 }
@@ -80,7 +87,7 @@ def test_bad_input_is_refused_before_torch_loads(case):
     rc, torch_loaded, transformers_loaded = json.loads(r.stdout.strip().splitlines()[-1])
     assert rc == 2, r.stderr
     assert not torch_loaded and not transformers_loaded, f"{case}: {r.stderr}"
-    assert "Traceback" not in r.stderr
+    assert "Traceback" not in r.stderr and "\x1b" not in r.stderr   # no raw escape either
     for f in fragments:
         assert f in r.stderr, f"{case}: missing {f!r} in:\n{r.stderr}"
     # generous on a loaded machine (the bench measures it: bench/cli_speed.py, < 1 s)

@@ -114,18 +114,19 @@ def test_validating_a_file_that_is_no_recipe_echoes_none_of_it(tmp_path, capsys)
     "pins: {{optim: {big}}}",
     "pins: {{learning_rate: {big}}}",
 ])
-def test_a_5mb_bad_line_is_quoted_as_an_excerpt(line, tmp_path, capsys):
+def test_a_bad_line_near_the_size_cap_is_quoted_as_an_excerpt(line, tmp_path, capsys):
+    """A line of 900 KB (a recipe file is read up to 1 MiB: _recipe.load.RECIPE_CAP)."""
     p = tmp_path / "r.yaml"
-    p.write_text(RECIPE_HEAD + line.format(big="x" * 5_000_000, kib="x" * 1000) + "\n")
+    p.write_text(RECIPE_HEAD + line.format(big="x" * 900_000, kib="x" * 1000) + "\n")
     code, err = cli(["recipes", "validate", str(p)], capsys)
     assert code == 2 and "Traceback" not in err
     assert len(err) < 2000 and "x" * 81 not in err
     assert "x" * 78 + "…" in err or "not valid YAML" in err  # repr quotes: 78 of 80
 
 
-def test_a_model_name_of_5mb_is_quoted_as_an_excerpt(tmp_path, capsys):
+def test_a_model_name_of_900kb_is_quoted_as_an_excerpt(tmp_path, capsys):
     p = tmp_path / "r.yaml"
-    p.write_text(RECIPE_HEAD.replace("Llama-3.2-1B", "y" * 5_000_000))
+    p.write_text(RECIPE_HEAD.replace("Llama-3.2-1B", "y" * 900_000))
     code, err = cli(["recipes", "validate", str(p)], capsys)
     assert code == 2 and "Traceback" not in err
     assert "model.name: unknown model `" + "y" * 79 + "…`" in err and len(err) < 2000

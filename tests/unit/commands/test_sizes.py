@@ -66,3 +66,48 @@ def test_the_cli_says_a_config_is_too_deep(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert "num_hidden_layers=1000000 is more layers" in err
+
+
+# -- what the bad-input bench found (bench/bad_input.py) ------------------------------------------
+
+def test_a_negative_device_index_is_refused_not_read_as_this_machine():
+    refused(lambda: mk.probe_device(index=-1), "CUDA device index -1", "integer >= 0")
+
+
+def test_auto_training_args_checks_base_args_before_planning():
+    refused(lambda: mk.auto_training_args(TINY, base_args="x", seq_len=64, target_batch_size=8,
+                                          device="cpu"),
+            "base_args: expected TrainingArguments", "str 'x'")
+
+
+def test_a_config_transformers_cannot_build_is_bad_input(tmp_path, capsys):
+    d = TINY.to_dict()
+    d["hidden_size"] = -64
+    bad = LlamaConfig(**d)
+    refused(lambda: mk.estimate_memory(bad, seq_len=16, device="A100-80GB"),
+            "transformers cannot build a `llama` model from this config",
+            "negative dimension -64")
+
+
+def test_a_config_json_that_is_a_fifo_says_so(tmp_path, capsys):
+    import os
+
+    os.mkfifo(tmp_path / "config.json")
+    code = main(["estimate", str(tmp_path), "--gpu", "T4", "--seq-len", "16"])
+    err = capsys.readouterr().err
+    assert code == 2 and "is a FIFO (named pipe)" in err and "has no config.json" not in err
+
+
+def test_batch_and_the_field_may_not_disagree(capsys):
+    code = main(["estimate", "gpt2", "--gpu", "T4", "--seq-len", "16", "--batch", "2",
+                 "per_device_train_batch_size=3", "--no-cache"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--batch 2 and per_device_train_batch_size=3 name two batches" in err
+
+
+def test_a_recipe_larger_than_any_recipe_is_not_read(tmp_path):
+    from hf_memkit._recipe import bundled_recipes_dir, load_recipe
+
+    text = (bundled_recipes_dir() / "tiny-llama" / "1m_full_cpu.yaml").read_text()
+    (tmp_path / "huge.yaml").write_text(text + ("# " + "x" * 98 + "\n") * 20000)
+    refused(lambda: load_recipe(tmp_path / "huge.yaml"), "is larger than 1 MiB")
