@@ -30,7 +30,7 @@ of the message; then every case that is neither a clear error nor handled, with 
 ``bench/results/bad_input.json``. Takes about 30 minutes on 2 cores (most cases import torch and
 transformers, some trace a tiny model, two train it for a step, one is killed at its timeout)::
 
-    python bench/bad_input.py [--only SUBSTRING] [--keep] [--out bench/results]
+    python bench/bad_input.py [--only SUBSTRING]... [--again RESULTS.json] [--keep] [--out DIR]
 """
 
 from __future__ import annotations
@@ -834,11 +834,20 @@ def write_results(rows: list[dict], out_dir: Path, total_s: float) -> tuple[Coun
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="", help="run the cases whose name or surface holds this")
+    ap.add_argument("--only", action="append", default=[],
+                    help="run the cases whose name or surface holds this (repeatable)")
+    ap.add_argument("--again", metavar="JSON", default=None,
+                    help="run the cases of an earlier results file that were neither a clear "
+                         "error nor handled")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
     ap.add_argument("--out", default=str(HERE / "results"), help="folder of the results")
     a = ap.parse_args(argv)
-    cases = [c for c in CASES if a.only in c.name or a.only in c.surface]
+    only = list(a.only)
+    if a.again:
+        only += [r["case"] for r in json.loads(Path(a.again).read_text())["cases"]
+                 if r["outcome"] not in ("clear error", "handled")]
+    cases = [c for c in CASES if not only or any(o == c.name or (not a.again and
+                                                 (o in c.name or o in c.surface)) for o in only)]
     root = Path(tempfile.mkdtemp(prefix="hf_memkit-bad-input-")).resolve()
     t0 = time.perf_counter()
     try:
