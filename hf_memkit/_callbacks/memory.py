@@ -82,8 +82,9 @@ from transformers import TrainerCallback
 
 from .._device.probe import warn_once
 from .._device.rss import mmap_threshold_set
+from .._errors import ConfigError, quoted
 from .._oom import guard as _oom
-from .._units import GiB
+from .._units import GiB, is_positive_int
 from ._calibrate import (
     can_calibrate,
     predicted_device_used,  # noqa: F401  (its home before; still read here)
@@ -162,6 +163,18 @@ class MemoryCallback(TrainerCallback):
     def __init__(self, estimate: Any = None, *, plot: bool = True, report: bool = True,
                  record_history: bool = False, max_entries: int = 100_000,
                  calibrate: bool = False, across_ranks: bool = True):
+        problems = [] if estimate is None or hasattr(estimate, "peak_allocated") or \
+            hasattr(estimate, "estimate") else [
+                f"estimate: expected a MemoryEstimate or a Plan (or None), got "
+                f"{type(estimate).__name__} {quoted(estimate)}"]
+        if not is_positive_int(max_entries):
+            problems.append(f"max_entries: expected a positive number of allocator events, got "
+                            f"{quoted(max_entries)}")
+        problems += [f"{name}: expected True or False, got {quoted(v)}" for name, v in (
+            ("plot", plot), ("report", report), ("record_history", record_history),
+            ("calibrate", calibrate), ("across_ranks", across_ranks)) if not isinstance(v, bool)]
+        if problems:
+            raise ConfigError(problems, source="MemoryCallback")
         self.estimate = estimate
         self.calibrate = calibrate
         self.across_ranks = across_ranks

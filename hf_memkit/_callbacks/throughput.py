@@ -112,6 +112,10 @@ class ThroughputCallback(TrainerCallback):
     """
 
     def __init__(self, device: Any = None):
+        if device is not None:
+            from .._device.probe import resolve_device
+
+            resolve_device(device)   # an unknown GPU name: refused here, not at train begin
         self.device = device
         self._handle = None
 

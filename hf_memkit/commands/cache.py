@@ -8,6 +8,8 @@ import argparse
 import json
 import os
 
+from .._errors import HfMemkitError
+
 NO_CACHE_HELP = ("trace the model again instead of reading traces kept on disk, and keep none "
                  "(as HF_MEMKIT_NO_CACHE=1 does; see hf-memkit cache info)")
 
@@ -61,8 +63,20 @@ def cache_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _check_root() -> None:
+    """A cache root that exists but is no folder (``HF_MEMKIT_CACHE`` naming a file): said."""
+    from .._store import cache_root
+
+    root = cache_root()
+    if os.path.lexists(root) and not root.is_dir():
+        raise HfMemkitError(f"the cache folder {root} is not a folder; point HF_MEMKIT_CACHE at a "
+                            "folder of your own (hf_memkit creates it), or unset it")
+
+
 def info_command(args: argparse.Namespace) -> int:
     from .._store import TraceStore, answers_dir
+
+    _check_root()
     from .._units import format_bytes
 
     i = TraceStore().info()
@@ -91,6 +105,8 @@ def info_command(args: argparse.Namespace) -> int:
 
 def clear_command(args: argparse.Namespace) -> int:
     from .._store import TraceStore, answers_dir
+
+    _check_root()
 
     store, answers = TraceStore(), TraceStore(answers_dir())
     n, m = store.clear(), answers.clear()

@@ -111,3 +111,22 @@ def test_a_recipe_larger_than_any_recipe_is_not_read(tmp_path):
     text = (bundled_recipes_dir() / "tiny-llama" / "1m_full_cpu.yaml").read_text()
     (tmp_path / "huge.yaml").write_text(text + ("# " + "x" * 98 + "\n") * 20000)
     refused(lambda: load_recipe(tmp_path / "huge.yaml"), "is larger than 1 MiB")
+
+
+def test_the_callbacks_check_their_arguments_when_made():
+    refused(lambda: mk.MemoryCallback(estimate="garbage"), "estimate: expected a MemoryEstimate",
+            "'garbage'")
+    refused(lambda: mk.MemoryCallback(max_entries=-1), "max_entries", "got -1")
+    refused(lambda: mk.MemoryCallback(plot="no"), "plot: expected True or False", "'no'")
+    refused(lambda: mk.ThroughputCallback(device="A100-90GB"), "unknown GPU `A100-90GB`")
+    mk.MemoryCallback(plot=False, max_entries=10)       # good arguments still build
+    mk.ThroughputCallback(device="A100-80GB")
+
+
+def test_cache_commands_say_when_the_cache_folder_is_a_file(tmp_path, monkeypatch, capsys):
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("HF_MEMKIT_CACHE", str(tmp_path / "afile"))
+    for command in ("clear", "info"):
+        assert main(["cache", command]) == 2
+        assert "is not a folder; point HF_MEMKIT_CACHE at a folder" in capsys.readouterr().err
+    assert (tmp_path / "afile").read_text() == "x"
