@@ -15,7 +15,7 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
-from .._errors import HfMemkitError, did_you_mean, read_json_file
+from .._errors import HfMemkitError, did_you_mean, quoted, read_json_file
 from .names import bundled_files, canonical_name, list_models, unknown_model_error
 
 
@@ -59,7 +59,18 @@ def _check_config_file(file: Path) -> dict:
             f"{_transformers_version()} knows{did_you_mean(model_type, list(CONFIG_MAPPING.keys()))}; "
             "use a model type transformers ships (e.g. llama, mistral, gpt2, bert), or a newer "
             "transformers")
+    bad = [k for k in SIZE_FIELDS if isinstance(d.get(k), str) or (
+        isinstance(d.get(k), (int, float)) and not isinstance(d[k], bool) and d[k] < 1)]
+    if bad:   # transformers divides by some of them (head_dim = hidden_size // heads)
+        raise HfMemkitError("; ".join(f"`{file}`: {k}={quoted(d[k])} is not a size" for k in bad)
+                            + "; each must be a positive integer: the model's real value")
     return d
+
+
+# sizes a config.json holds that must be positive integers (a zero is divided by, a negative
+# makes a tensor of negative size)
+SIZE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+               "vocab_size", "head_dim", "n_embd", "n_head", "d_model", "num_heads")
 
 
 def remote_code_error(where: Any, model_type: str | None = None) -> HfMemkitError:

@@ -42,6 +42,8 @@ BAD_CONFIGS = {
     "no_model_type": (b'{"hidden_size": 8}', ["no `model_type`", "llama"]),
     "unknown_type": (b'{"model_type": "lama"}', ["`lama`", "did you mean `llama`"]),
     "bad_field": (b'{"model_type": "llama", "hidden_size": "abc"}', ["hidden_size", "'abc'"]),
+    "zero_heads": (b'{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 0}',
+                   ["num_attention_heads=0 is not a size", "positive integer"]),
     "nested_deep": (b'{"model_type": "llama", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}",
                     ["nests too deep to read", "config.json"]),
 }
