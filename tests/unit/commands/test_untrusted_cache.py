@@ -12,34 +12,17 @@ import zlib
 
 import pytest
 
-import hf_memkit._plan as plan_mod
 from hf_memkit import HfMemkitError
 from hf_memkit import _store as store
-from hf_memkit.commands.main import main
+from tests.unit.commands.test_kept_answers import _run
 
 QUESTION = ["plan", "gpt2", "--gpu", "T4", "--seq-len", "256", "--target-batch", "8"]
 
 
-@pytest.fixture
-def kept(monkeypatch, tmp_path):
-    """Answers on, in a folder of this test's own; a spy counting the plans really made."""
-    monkeypatch.delenv(store.NO_CACHE_ENV, raising=False)
-    monkeypatch.setenv("HF_MEMKIT_CACHE", str(tmp_path / "cache"))
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    """Each test sees the cache folder's warnings afresh (they are said once per process)."""
     monkeypatch.setattr(store, "_WARNED", set())
-    real, made = plan_mod.plan_training, []
-
-    def spy(*args, **kwargs):
-        made.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(plan_mod, "plan_training", spy)
-    return made
-
-
-def _run(argv, capsys) -> tuple[int, str, str]:
-    rc = main(argv)
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def _tamper(folder, change) -> None:
