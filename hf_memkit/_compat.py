@@ -90,6 +90,12 @@ NOTICES: tuple[tuple[str, str], ...] = (
     # on a machine without a GPU says it falls back to the CPU (deepspeed/accelerator/
     # real_accelerator.py, through its "DeepSpeed" logger).
     ("DeepSpeed", "Setting accelerator to CPU"),
+    # transformers imports torchao when it is installed (optim=adamw_torch_8bit/4bit); a torchao
+    # wheel built for another torch names each C++ extension it could not load
+    # (torchao/__init__.py) and registers its enums as pytree constants, which torch >= 2.13
+    # deprecates (torch/utils/_pytree.py register_constant, logged with this format string)
+    ("torchao", "Failed to load "),
+    ("torch.utils._pytree", "%s is an Enum subclass"),
 )
 
 

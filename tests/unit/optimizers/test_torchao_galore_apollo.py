@@ -101,9 +101,7 @@ PARAMS = [(*c, dt) for c in CASES for dt in (torch.float32, torch.bfloat16)
 @pytest.mark.parametrize("name,module,args,dtype", PARAMS,
                          ids=[f"{p[0]}-{str(p[3])[6:]}" for p in PARAMS])
 def test_state_matches_the_trainers_optimizer(name, module, args, dtype, tmp_path):
-    # torchao is not in the `optimizers` extra: its wheels for other torch versions print
-    # import notices on every transformers import (checked by hand with torchao 0.18)
-    pytest.importorskip(module) if module == "torchao" else require(module)
+    require(module)
     opt = _stepped(tmp_path, dtype, **args)
     assert _predicted(dtype, **args).state == state_bytes(opt)
 
@@ -180,8 +178,13 @@ def test_step_temporaries_match_memtracker(name, module, args, dtype, tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 def _install_torchao(root, monkeypatch, version="0.16.0"):
-    """A torchao distribution on ``sys.path`` (its metadata and a package whose import fails, so
-    that planning is seen not to import it). torchao is not installed on this machine."""
+    """A torchao distribution on ``sys.path`` ahead of the installed one (its metadata and a
+    package whose import fails, so that planning is seen not to import it)."""
+    import sys
+
+    for name in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")]:
+        monkeypatch.delitem(sys.modules, name)      # imported by an earlier test: forgotten
+    _clear_lookups()
     pkg = root / "torchao"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("raise ImportError('hf_memkit imported torchao')\n")
@@ -203,6 +206,12 @@ def without_bitsandbytes(monkeypatch):
     _has.cache_clear()
     yield
     monkeypatch.undo()
+    _clear_lookups()
+
+
+def _clear_lookups():
+    from hf_memkit._compat import _has
+
     _has.cache_clear()
 
 
@@ -213,6 +222,7 @@ def test_planner_searches_torchao_8bit_when_bitsandbytes_is_absent(
     from hf_memkit._optimizers import planner_optimizers
 
     # neither 8-bit library: no 8-bit rung
+    monkeypatch.setitem(sys.modules, "torchao", None)
     for kind in ("cpu", "cuda"):
         assert not {"adamw_bnb_8bit", "adamw_torch_8bit"} & set(planner_optimizers(kind))
     _install_torchao(tmp_path, monkeypatch)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hf_memkit._optimizers import OptimizerContext, ParamInfo, get_optimizer_profile
+from tests.helpers import require
 
 BIG = ParamInfo(1024 * 1024, (1024, 1024), 4)
 ODD = ParamInfo(509 * 128, (509, 128), 4)          # not a multiple of the block: dense state
@@ -32,7 +33,7 @@ def test_cuda_step_transient_matches_the_compiled_step(bits, dtype):
     first one) less what was allocated before it, against the CUDA estimate."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    ao = pytest.importorskip("torchao.optim")
+    ao = require("torchao.optim")
     torch.manual_seed(0)
     shapes = [(4096, 1024), (1024, 1024), (1024,)]
     params = [torch.nn.Parameter(torch.randn(*s, device="cuda", dtype=dtype)) for s in shapes]
