@@ -24,6 +24,7 @@ from hf_memkit._setup.coverage import (
 )
 from hf_memkit._setup.setup import normalize_args
 from hf_memkit._trainers import TRAINERS
+from tests.helpers import require
 
 TINY = LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, vocab_size=500,
@@ -56,7 +57,7 @@ NON_DEFAULT_FOR = {("grpo", "disable_dropout"): True, ("rloo", "disable_dropout"
 
 def _config_class(trainer: str) -> type:
     if trainer != "trainer":
-        pytest.importorskip("trl")
+        require("trl")
     return TRAINERS.get(trainer).config_type()
 
 
@@ -85,7 +86,7 @@ def test_every_installed_field_is_in_exactly_one_class(trainer):
 
 def test_every_listed_field_exists_in_an_installed_class():
     """No stale names: a field a library removed is dropped from the lists too."""
-    pytest.importorskip("trl")
+    require("trl")
     installed = {f.name for t in TRAINER_NAMES
                  for f in dataclasses.fields(TRAINERS.get(t).config_type())}
     listed = {*UNMODELLED, *SETUP_FIELDS, *ENGINE_FIELDS,

@@ -30,6 +30,7 @@ from hf_memkit._setup.fields import config_field_names
 from hf_memkit._setup.setup import TrainingSetup, normalize_args
 from hf_memkit._techniques import TECHNIQUES, Flag
 from hf_memkit._trainers import TRAINERS
+from tests.helpers import require
 
 BASE = {"per_device_train_batch_size": 2}
 
@@ -106,7 +107,7 @@ def test_what_an_engine_emits_reads_back_as_its_rung(engine, rung):
 def test_a_trainer_reads_back_and_round_trips(name):
     kind = TRAINERS.get(name)
     if kind.extra:
-        pytest.importorskip(kind.extra)
+        require(kind.extra)
     setup = _read({}, trainer=name)
     assert setup.trainer_kind is kind
     assert TrainingSetup.from_dict(setup.to_dict()) == setup

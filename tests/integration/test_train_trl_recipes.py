@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("trl")
+from tests.helpers import require
+
+require("trl")
 
 from hf_memkit._recipe import load_recipe  # noqa: E402
 from tests.unit.commands.test_trl_options import DPO_RECIPE, SFT_RECIPE  # noqa: E402

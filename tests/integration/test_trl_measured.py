@@ -8,7 +8,9 @@ import warnings
 
 import pytest
 
-pytest.importorskip("trl")
+from tests.helpers import require
+
+require("trl")
 
 import hf_memkit as mk  # noqa: E402
 from hf_memkit.testing.groundtruth import measure_trainer_peak  # noqa: E402
@@ -73,7 +75,7 @@ def test_sft_trains_a_quantized_models_adapters_in_bf16_as_a_real_run_measures()
 
     from hf_memkit._trainers.base import TrlTrainerKind
 
-    pytest.importorskip("bitsandbytes")
+    require("bitsandbytes")
     cfg = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,
                       tie_word_embeddings=False)

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("trl")
+from tests.helpers import require
+
+require("trl")
 
 from transformers import LlamaConfig  # noqa: E402
 
@@ -21,7 +23,7 @@ import hf_memkit as mk  # noqa: E402
 from hf_memkit._errors import ConfigError  # noqa: E402
 from hf_memkit._recipe import load_recipe  # noqa: E402
 from hf_memkit.commands.main import main  # noqa: E402
-from tests.helpers import TEST_RECIPES  # noqa: E402
+from tests.helpers import TEST_RECIPES  # noqa: E402, require
 
 SFT_RECIPE = TEST_RECIPES / "9m_sft_cpu.yaml"
 DPO_RECIPE = TEST_RECIPES / "9m_dpo_cpu.yaml"

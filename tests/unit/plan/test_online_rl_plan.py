@@ -8,7 +8,9 @@ import warnings
 
 import pytest
 
-pytest.importorskip("trl")
+from tests.helpers import require
+
+require("trl")
 
 import trl  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402

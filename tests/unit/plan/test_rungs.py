@@ -16,6 +16,7 @@ from transformers import GPT2Config, LlamaConfig, LlamaForCausalLM
 import hf_memkit as mk
 from hf_memkit._cuda.host import host_link_bandwidth
 from hf_memkit._units import GiB
+from tests.helpers import require
 
 # a long sequence over a 32k vocabulary: the logits and the layer inputs both weigh
 CFG = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
@@ -201,7 +202,7 @@ def test_the_ladder_adds_up_from_the_plain_setup(liger_installed):
 def test_trl_keeps_only_liger_layer_kernels():
     """SFTTrainer turns Liger's fused linear cross-entropy off (its own fused head replaces the
     model's forward) and refuses it when asked for explicitly, as TRL 1.16 does."""
-    pytest.importorskip("trl")
+    require("trl")
     sft = dict(BASE, max_length=SEQ, use_liger_kernel=True)
     layers = dict(sft, liger_kernel_config={"fused_linear_cross_entropy": False})
     est = _quiet(mk.estimate_memory, CFG, sft, device=A100, trainer="sft")

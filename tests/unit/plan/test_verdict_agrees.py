@@ -11,6 +11,7 @@ import pytest
 from transformers import LlamaConfig
 
 import hf_memkit as mk
+from tests.helpers import require
 
 TINY = LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=4, vocab_size=1024)
@@ -40,7 +41,7 @@ def _agrees(plan) -> None:
 ])
 def test_the_chosen_setup_passes_its_own_estimate(trainer, extra):
     if trainer is not None:
-        pytest.importorskip("trl")
+        require("trl")
     plan = _quiet(mk.plan_training, TINY, seq_len=128, target_batch_size=8, device="T4",
                   trainer=trainer, **extra)
     assert plan.verdict == "fits"
@@ -50,7 +51,7 @@ def test_the_chosen_setup_passes_its_own_estimate(trainer, extra):
 def test_a_grpo_plan_beside_vllm_starts_and_passes_its_own_estimate():
     """vllm_max_model_length unset, vLLM would size one request at 131,072 positions and refuse
     to start; the plan sets it to prompt + completion and its estimate agrees."""
-    pytest.importorskip("trl")
+    require("trl")
     plan = _quiet(mk.plan_training, LONG, seq_len=512, target_batch_size=8, device="RTX-4090",
                   trainer="grpo", use_vllm=True, max_completion_length=256, num_generations=8)
     assert plan.training_args_kwargs["vllm_max_model_length"] == 512 + 256

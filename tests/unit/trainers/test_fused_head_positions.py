@@ -10,7 +10,9 @@ import warnings
 
 import pytest
 
-pytest.importorskip("trl")
+from tests.helpers import require
+
+require("trl")
 
 import torch  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402

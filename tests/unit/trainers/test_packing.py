@@ -11,6 +11,7 @@ from transformers import LlamaConfig
 
 import hf_memkit as mk
 from hf_memkit._trainers.packing import bfd_bins, peak_tokens
+from tests.helpers import require
 
 CFG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
@@ -20,8 +21,8 @@ CFG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
 def test_bins_are_trls_own(strategy):
     """Against TRL's pack_dataset on a real dataset: the same bins in the same order, over
     several of datasets.map's 1000-row batches."""
-    datasets = pytest.importorskip("datasets")
-    data_utils = pytest.importorskip("trl.data_utils")
+    datasets = require("datasets")
+    data_utils = require("trl.data_utils")
     rng = random.Random(7)
     lengths = [rng.randint(1, 700) for _ in range(2300)]
     ds = datasets.Dataset.from_list([{"input_ids": [1] * n} for n in lengths])
@@ -49,7 +50,7 @@ def _est(args, **kw):
 def test_lengths_set_the_tokens_of_a_packed_step():
     """A packed step of the two fullest bins (472 tokens) is a padding-free step of 472
     tokens: the same trace as padding-free rows of 236 x 2."""
-    pytest.importorskip("trl")
+    require("trl")
     lengths = [100, 60, 96] * 2 + [100, 60]
     packed = _est(dict(per_device_train_batch_size=2, max_length=256, packing=True),
                   lengths=lengths)
@@ -64,7 +65,7 @@ def test_lengths_set_the_tokens_of_a_packed_step():
 
 
 def test_bad_lengths_are_named():
-    pytest.importorskip("trl")
+    require("trl")
     with pytest.raises(mk.HfMemkitError, match=r"positive integers.*\[0, -3\]"):
         _est(dict(per_device_train_batch_size=2, max_length=256, packing=True),
              lengths=[10, 0, -3])
@@ -88,7 +89,7 @@ def test_a_plan_from_lengths_flattens_short_rows_and_says_what_to_truncate():
     padding-free one for the real tokens; with room for both the plan takes padding-free and
     emits what TRL needs for it (max_length=None), and its estimate is estimate_memory's for the
     emitted arguments and the same lengths."""
-    pytest.importorskip("trl")
+    require("trl")
     p = _plan(lengths=SKEWED)
     ta = p.training_args_kwargs
     assert p.chosen.padding_free and ta["padding_free"] is True and ta["max_length"] is None
@@ -105,7 +106,7 @@ def test_a_plan_from_lengths_flattens_short_rows_and_says_what_to_truncate():
 
 
 def test_a_budget_below_the_worst_micro_batch_picks_another_setup():
-    pytest.importorskip("trl")
+    require("trl")
     roomy = _plan(lengths=SKEWED)
     tight = _plan(lengths=SKEWED, max_memory=roomy.estimate.upper - 1)
     assert tight.chosen.label() != roomy.chosen.label()
@@ -113,7 +114,7 @@ def test_a_budget_below_the_worst_micro_batch_picks_another_setup():
 
 
 def test_mean_and_max_plan_the_worst_micro_batch():
-    pytest.importorskip("trl")
+    require("trl")
     p = _plan(mean_len=60, max_len=256)
     assert p.seq_len == 256 and p.chosen.padding_free
     mb = p.chosen.micro_batch
@@ -128,7 +129,7 @@ def test_mean_and_max_plan_the_worst_micro_batch():
     (dict(lengths=[10], mean_len=5, max_len=10), "not both"),
 ])
 def test_bad_length_requests_are_named(kw, match):
-    pytest.importorskip("trl")
+    require("trl")
     kw.setdefault("trainer", "sft")
     with pytest.raises(mk.HfMemkitError, match=match):
         with warnings.catch_warnings():

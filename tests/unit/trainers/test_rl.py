@@ -9,7 +9,9 @@ import warnings
 
 import pytest
 
-pytest.importorskip("trl")
+from tests.helpers import require
+
+require("trl")
 
 import torch  # noqa: E402
 import trl  # noqa: E402

@@ -16,7 +16,9 @@ from unittest import mock
 
 import pytest
 
-pytest.importorskip("trl")
+from tests.helpers import require
+
+require("trl")
 
 import torch  # noqa: E402
 from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402

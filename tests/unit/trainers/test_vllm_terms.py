@@ -21,6 +21,7 @@ from hf_memkit._trainers.rl.vllm import (
     kv_bytes_per_token,
 )
 from hf_memkit._units import GiB, MiB
+from tests.helpers import require
 
 # Llama-3.1-8B's config.json, as built here without a download.
 LLAMA_8B = LlamaConfig(
@@ -263,7 +264,7 @@ def test_bad_settings_are_reported_together():
 
 
 def _trl_config(cls_name: str, **kw):
-    trl = pytest.importorskip("trl")
+    trl = require("trl")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return getattr(trl, cls_name)(output_dir="unused", use_cpu=True, bf16=False,
