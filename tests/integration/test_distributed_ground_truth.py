@@ -132,8 +132,8 @@ def test_fsdp2_upcasts_a_bf16_loaded_model_and_the_estimate_follows(bf16_loaded)
                                                             rel=0.01)    # fp32 AdamW moments
         states = rk["local_param_bytes"] + rk["local_grad_bytes"] + rk["local_optimizer_bytes"]
         assert est.model_states == pytest.approx(states, rel=0.01)
-    # issue 24's acceptance: the measured 2-rank peak within 8% of the estimate
-    assert est.peak_allocated == pytest.approx(measured["peak"], rel=0.08)
+    # issue 24's acceptance was 8%; measured 2026-11-28, 2 runs: +1.86%, +1.89% (2.6x that)
+    assert est.peak_allocated == pytest.approx(measured["peak"], rel=0.05)
     assert any("upcasts" in n for n in est.notes)
 
 
@@ -149,6 +149,7 @@ def test_fsdp2_accumulating_with_a_sync_each_batch_holds_its_sharded_gradients()
     grads = measured["ranks"][0]["local_grad_bytes"]
     assert est.phase_peaks["backward (accumulating)"] - est.phase_peaks["backward"] == \
         pytest.approx(grads, rel=0.01)     # one rank's sharded gradients, measured
+    # measured 2026-11-28, 2 runs: +1.65%, +1.73% (4% is 2.3x that)
     assert est.peak_allocated == pytest.approx(measured["peak"], rel=0.04)
 
 

@@ -76,4 +76,6 @@ def test_forward_backward_stage_has_no_optimizer_state_and_matches_a_real_run():
     measured = _measure_forward_backward(TINY_LLAMA, batch=4, seq=128)
     assert measured["params"] == n_params == 651_904
     steady = max(measured["peaks"][1:])
-    assert fb.peak_allocated == pytest.approx(steady, rel=0.05), (fb.peak_allocated, measured)
+    # measured 2026-11-28, 3 runs: -0.17%, +0.11%, +0.03%; 1% is the floor for an RSS-measured
+    # figure (its run-to-run spread, 0.3 points here, differs between machines)
+    assert fb.peak_allocated == pytest.approx(steady, rel=0.01), (fb.peak_allocated, measured)

@@ -216,12 +216,16 @@ def _estimate(spec: dict, parallel: dict) -> int:
 
 def test_one_tp_rank_is_estimated_within_8_percent(tp):
     spec, res = tp
+    # measured 2026-11-28, 2 runs: -5.43%, -5.44% (bench/results/parallel_cpu.json: -5.4%);
+    # 8% is 1.5x that, left as it was
     assert _estimate(spec, {"tp_size": 2}) == pytest.approx(res["peak"], rel=0.08)
 
 
-def test_one_sp_rank_is_estimated_within_8_percent(sp):
+def test_one_sp_rank_is_estimated_within_6_percent(sp):
     spec, res = sp
-    assert _estimate(spec, {"sp_size": 2}) == pytest.approx(res["peak"], rel=0.08)
+    # measured 2026-11-28, 2 runs: +1.65%, +2.82% (the RSS-measured peak varies by a point
+    # between runs): about 2x the larger; was 8%
+    assert _estimate(spec, {"sp_size": 2}) == pytest.approx(res["peak"], rel=0.06)
 
 
 # --- context parallelism: does not run on CPU ------------------------------------------------

@@ -85,13 +85,15 @@ def test_zero_model_states_match_deepspeeds_estimators(name, world):
     for off in (False, True):
         ours = est(name, {"bf16": True, "deepspeed": ds(2, world, off)}, num_gpus=world)
         _, ref = estimate_zero2_model_states_mem_needs(total, per_node, nodes, cpu_offload=off)
-        assert ours.model_states == pytest.approx(ref, rel=0.05)
+        # measured 2026-11-28: |ours / deepspeed - 1| <= 4.4e-8 (ZeRO-2), 7.6e-8 (ZeRO-3) over
+        # both models and worlds: a few bytes of rounding, hence ~2.5x that
+        assert ours.model_states == pytest.approx(ref, rel=2e-7)
     for off_opt, off_param in ((False, False), (True, False), (True, True)):
         ours = est(name, {"bf16": True, "deepspeed": ds(3, world, off_opt, off_param)},
                    num_gpus=world)
         _, ref, _ = estimate_zero3_model_states_mem_needs(
             total, largest, per_node, nodes, cpu_offload=off_opt, cpu_offload_params=off_param)
-        assert ours.model_states == pytest.approx(ref, rel=0.05)
+        assert ours.model_states == pytest.approx(ref, rel=2e-7)
         if off_opt:
             assert ours.host_offloaded > 0
 

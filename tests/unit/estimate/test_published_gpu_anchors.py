@@ -13,13 +13,15 @@ What the bench says about the holdout half (32 sdpa_* max_memory_allocated rows)
   checks that the trace plus the documented terms still reproduce the published numbers, it is
   not a blind holdout test.
 
-So: ``test_with_reconstruction_terms`` holds the four rows to the 10% bar WITH the terms, and
-``test_estimator_alone`` holds the same rows WITHOUT any term to the band the bench documents
+So: ``test_with_reconstruction_terms`` holds the four rows WITH the terms to about twice each
+row's measured error (at most the 10% bar), and ``test_estimator_alone`` holds the same rows
+WITHOUT any term to within half of each row's measured miss, inside the band the bench documents
 (-40% .. +10%: holdout worst -35.9%, none above 0). The rows are activation-heavy: weights +
 gradients alone miss each of them by more than 50%, which the no-terms test checks, so a trace
-that lost the activations fails both tests. Margins (4.7 points at least on every row) leave
-room for small estimator changes (the anchors are pure fp16 without autocast, so of the trace's
-move to CUDA's autocast and SDPA kernels only the SDPA part can matter here).
+that lost the activations fails both tests. An estimator change that moves a row beyond its
+tolerance updates ``CASES`` with the new measured error and the reason (the anchors are pure fp16
+without autocast, so of the trace's move to CUDA's autocast and SDPA kernels only the SDPA part
+can matter here).
 """
 
 from __future__ import annotations
@@ -34,13 +36,18 @@ sys.path.insert(0, str(BENCH))
 
 import _anchors  # noqa: E402  (bench/_anchors.py: the code path the bench uses)
 
-# one holdout row per model x attention kind; bench figures (err with terms / without any term):
-CASES = [
-    "sdpa_pythia410m_sdpa_bs4_s512",     # -5.3% / -31.4%
-    "sdpa_pythia410m_eager_bs1_s2048",   # -1.3% /  -7.4%
-    "sdpa_opt350m_sdpa_bs8_s1024",       # -0.0% / -18.5%
-    "sdpa_opt350m_eager_bs4_s512",       # +1.8% / -19.0%
-]
+# one holdout row per model x attention kind, each with its own tolerances, about twice the
+# error measured on 2026-11-28 (``_anchors.predict(...).err``, deterministic: no measurement runs):
+#   with terms: |err| <= max(1 point, 2 x |measured|), never above the 10% bar;
+#   without any term: within max(1 point, half the measured error) of it, never outside the
+#   bench's holdout band -40% .. +10%.
+# case id: (with-terms bound, (without-terms low, high))   measured with terms / without
+CASES = {
+    "sdpa_pythia410m_sdpa_bs4_s512": (0.10, (-0.40, -0.157)),     # -5.31% / -31.39%
+    "sdpa_pythia410m_eager_bs1_s2048": (0.03, (-0.110, -0.036)),  # -1.35% /  -7.35%
+    "sdpa_opt350m_sdpa_bs8_s1024": (0.09, (-0.346, -0.115)),      # -4.57% / -23.03%
+    "sdpa_opt350m_eager_bs4_s512": (0.01, (-0.312, -0.103)),      # +0.03% / -20.75%
+}
 BAR = 0.10                      # docs/quality-bars.md: holdout rows within 10%
 ALONE_BAND = (-0.40, 0.10)      # bench holdout without terms: worst -35.9%, max -1.8%
 
@@ -67,7 +74,8 @@ def test_with_reconstruction_terms(cases, case_id):
     row = _anchors.predict(_usable_holdout(cases, case_id), reconstruct=True)
     assert row.half == "holdout" and row.figure == "allocated"
     assert row.detail["script_out"] > 0          # the terms are really in
-    assert abs(row.err) <= BAR, (case_id, row.published, row.predicted, row.detail)
+    assert abs(row.err) <= CASES[case_id][0] <= BAR, (case_id, row.published, row.predicted,
+                                                      row.detail)
 
 
 @pytest.mark.parametrize("case_id", CASES)
@@ -76,8 +84,9 @@ def test_estimator_alone(cases, case_id):
     row = _anchors.predict(c, reconstruct=False)
     d = row.detail
     assert d["script_out"] == d["old_code"] == d["old_code_static"] == 0
-    lo, hi = ALONE_BAND
-    assert lo <= row.err <= hi, (case_id, row.published, row.predicted, d)
+    lo, hi = CASES[case_id][1]
+    assert ALONE_BAND[0] <= lo <= row.err <= hi <= ALONE_BAND[1], (case_id, row.published,
+                                                                    row.predicted, d)
     # the band is not met by construction: weights + gradients alone (pure fp16) fall outside it
     _, weights = _anchors.traced_phases(_anchors.MODELS[c["model"]], c["attention_impl"],
                                         int(c["batch_size"]), int(c["seq_len"]))

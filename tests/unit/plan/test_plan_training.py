@@ -85,12 +85,11 @@ def test_ladder_climbs_as_memory_shrinks():
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(fraction=st.floats(min_value=0.25, max_value=1.5), target=st.sampled_from([4, 6, 16]))
 def test_property_plan_fits_and_keeps_effective_batch(fraction, target):
+    # no early return on a refusal: a quarter of the full setup's need still holds the fp32
+    # AdamW states of this model with a micro-batch of 2 (planned at 0.25 for 4, 6 and 16:
+    # checkpointing 4 x 1, 3 x 2, micro-batch 2 x 8), so every budget drawn here has a plan
     budget = int(_full_need() * fraction)
-    try:
-        p = plan(max_memory=budget, target_batch_size=target)
-    except mk.HfMemkitError as exc:
-        assert "needs at least" in str(exc)
-        return
+    p = plan(max_memory=budget, target_batch_size=target)
     c = p.chosen
     assert c.device_used <= budget == p.budget
     assert c.micro_batch * c.grad_accum * p.num_gpus == target
