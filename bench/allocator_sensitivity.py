@@ -14,7 +14,9 @@ at which the step completes (``_estimate.device.smallest_capacity``):
 For each case it prints the allocator's share at the fit (smallest capacity - peak allocated)
 and the RMS of its change over the perturbed replays, relative to that share.
 
-    python bench/allocator_sensitivity.py [--seeds 5] [--json out.json]
+    python bench/allocator_sensitivity.py [--seeds 5] [--json out.json] [--quick]
+
+``--quick``: the smallest case only, 2 seeds per perturbation.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import sys
 import warnings
 
 import torch
+from _quick import add_flag, guard
 from peft import LoraConfig
 from transformers import BitsAndBytesConfig, LlamaConfig
 
@@ -83,23 +86,46 @@ def _jittered(events, rng, rel=0.05):
     return out
 
 
-def main() -> int:
+QUICK = ("small Llama fp32+AMP, seq 8192, A100-80GB",)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the cases; print the table and write ``--json``.
+
+    Args:
+        argv: the command line (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0.
+    """
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--json")
-    a = ap.parse_args()
-    seen = {}
+    add_flag(ap)
+    a = ap.parse_args(argv)
+    guard(a.quick, a.json, "--json")
     real_fit = dv.allocator_fit
+    try:
+        return _run(a, real_fit)
+    finally:
+        dv.allocator_fit = real_fit  # the spy goes: an in-process caller keeps the real one
 
-    def spy(ex, spec, om, ws, stage, micro_steps=1, device_capacity=None):
+
+def _run(a: argparse.Namespace, real_fit) -> int:
+    seen = {}
+    seeds = min(a.seeds, 2) if a.quick else a.seeds
+
+    def spy(ex, spec, om, ws, stage, micro_steps=1, *rest, **kw):  # allocator_fit's arguments
         seen["args"] = (ex, spec, om, ws, stage, micro_steps)
-        return real_fit(ex, spec, om, ws, stage, micro_steps, device_capacity)
+        return real_fit(ex, spec, om, ws, stage, micro_steps, *rest, **kw)
 
     dv.allocator_fit = spy
     rows = []
     print("| case | allocator share at the fit | free order: RMS change | sizes +-5%: RMS "
           "change |\n|---|---|---|---|")
     for name, (model, args, seq, dev, kw) in CASES.items():
+        if a.quick and name not in QUICK:
+            continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             mk.estimate_memory(model, args, seq_len=seq, device=dev, cuda_version="12.8", **kw)
@@ -119,7 +145,7 @@ def main() -> int:
         base = share(events)
         rms = {}
         for label, perturb in (("order", _shuffled), ("sizes", _jittered)):
-            d = [share(perturb(events, random.Random(seed))) - base for seed in range(a.seeds)]
+            d = [share(perturb(events, random.Random(seed))) - base for seed in range(seeds)]
             rms[label] = math.sqrt(sum(x * x for x in d) / len(d))
         rows.append({"case": name, "share": base, **{f"rms_{k}": v for k, v in rms.items()}})
         rel = {k: v / base if base else 0.0 for k, v in rms.items()}

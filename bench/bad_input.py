@@ -31,6 +31,10 @@ of the message; then every case that is neither a clear error nor handled, with 
 transformers, some trace a tiny model, two train it for a step, one is killed at its timeout)::
 
     python bench/bad_input.py [--only SUBSTRING]... [--again RESULTS.json] [--keep] [--out DIR]
+                              [--quick]
+
+``--quick`` runs three refusals that come before torch (seconds) and needs ``--out``: it never
+writes ``bench/results/``.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from _quick import add_flag, guard
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 TINY_RECIPE = REPO / "recipes" / "tiny-llama" / "1m_full_cpu.yaml"
@@ -58,6 +64,7 @@ OUTCOMES = ("clear error", "handled", "traceback", "silently wrong", "unclear", 
             "wrote outside", "wrongly refused", "wrong result")
 MARK = "@@bad_input@@"
 TIMEOUT = 120
+QUICK = ("--seq-len 0", "--gpu A100-90GB", "unknown model name")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -840,13 +847,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="run the cases of an earlier results file that were neither a clear "
                          "error nor handled")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
-    ap.add_argument("--out", default=str(HERE / "results"), help="folder of the results")
+    ap.add_argument("--out", default=None,
+                    help="folder of the results (default bench/results; --quick: required)")
+    add_flag(ap)
     a = ap.parse_args(argv)
-    only = list(a.only)
+    guard(a.quick, a.out, "--out")
+    a.out = a.out or str(HERE / "results")
+    only = list(a.only) + (list(QUICK) if a.quick and not a.only else [])
     if a.again:
         only += [r["case"] for r in json.loads(Path(a.again).read_text())["cases"]
                  if r["outcome"] not in ("clear error", "handled")]
-    cases = [c for c in CASES if not only or any(o == c.name or (not a.again and
+    exact = a.again or (a.quick and not a.only)
+    cases = [c for c in CASES if not only or any(o == c.name or (not exact and
                                                  (o in c.name or o in c.surface)) for o in only)]
     root = Path(tempfile.mkdtemp(prefix="hf_memkit-bad-input-")).resolve()
     t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """Fit the band's allocator term and traced-CUDA sigma on the committed GPU results files
 (``bench/results/gpu/``), and report the holdout apart with the fitted values.
 
-    python bench/band_fit.py [FILE ...] [--reestimate] [--only SUBSTR ...] [--out PATH]
+    python bench/band_fit.py [FILE ...] [--reestimate] [--only SUBSTR ...] [--out PATH] [--quick]
 
 The band of a CUDA estimate (``hf_memkit/_estimate/device.py``, ``_band``) combines, as
 independent errors, the traced term (traced bytes x hypot(CPU sigma, CUDA sigma)) and the
@@ -29,6 +29,10 @@ and allocator terms: the context does not enter reserved), for each normalisatio
 allocator term and for today's constants. Reserved is left out where the run capped it on
 purpose (``at_required``), as the error table does.
 
+Runs that do not count (``run_row``) are listed with the results (``excluded``), never dropped
+unseen. ``--quick``: the recorded estimates already take seconds; with ``--reestimate``, one run
+per file (the first that counts).
+
 Deterministic; plain JSON in (no GPU; ``--reestimate`` builds models on the CPU). Exit status 0,
 or 1 where ``--reestimate`` failed for some run, 2 for a missing file.
 """
@@ -47,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _gpu_report import measured_values  # noqa: E402
+from _quick import add_flag, guard  # noqa: E402
 from gpu_reestimate import fit_set  # noqa: E402
 
 from hf_memkit._cuda.runtime import CALIBRATION, cublas_workspaces  # noqa: E402
@@ -359,6 +364,38 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
 
 # --- main ----------------------------------------------------------------------------------------
 
+def uncounted(path: Path, kept: set[str], only: list[str]) -> list[str]:
+    """The ids of ``path``'s runs (those ``only`` selects) that gave no row.
+
+    Args:
+        path: a results file.
+        kept: the ids of the rows read from it.
+        only: id substrings selecting runs (empty: every run).
+
+    Returns:
+        The ids, in the file's order.
+    """
+    runs = json.loads(path.read_text()).get("runs", [])
+    return [r.get("id", "?") for r in runs if r.get("id") not in kept
+            and (not only or any(s in r.get("id", "") for s in only))]
+
+
+def first_counted(path: Path, side: str) -> list[str]:
+    """``[id]`` of the first run of ``path`` that counts (its recorded estimate), else ``[]``.
+
+    Args:
+        path: a results file.
+        side: "fit" or "holdout".
+
+    Returns:
+        At most one run id.
+    """
+    doc = json.loads(path.read_text())
+    env = doc.get("environment") or {}
+    ids = [r["id"] for r in doc.get("runs", []) if run_row(r, env, path.name, side) is not None]
+    return ids[:1]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Fit the band's allocator and traced-CUDA sigmas on "
                                  "the FIT_SET GPU results files; report the holdout apart.")
@@ -370,7 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", action="append", default=[], metavar="SUBSTR",
                     help="only runs whose id contains SUBSTR (repeatable)")
     ap.add_argument("--out", type=Path, metavar="PATH", help="write the rows and fit as JSON")
+    add_flag(ap)
     a = ap.parse_args(argv)
+    guard(a.quick, a.out, "--out")
     files = a.files or sorted(RESULTS.glob("*.json"))
     missing = [str(f) for f in files if not f.is_file()]
     if missing or not files:
@@ -378,21 +417,27 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     fits = fit_set(RESULTS)
-    rows, failed = [], []
+    rows, failed, excluded = [], [], []
     for path in files:
-        got, bad = read_rows(path, "fit" if path.name in fits else "holdout", a.reestimate,
-                             a.only)
+        side = "fit" if path.name in fits else "holdout"
+        only = a.only or (first_counted(path, side) if a.quick and a.reestimate else [])
+        got, bad = read_rows(path, side, a.reestimate, only)
         rows += got
         failed += bad
+        excluded += uncounted(path, {r["id"] for r in got}, only)
     res = analyse(rows)
     print(render(rows, res))
+    if excluded:
+        print(f"\n{len(excluded)} runs not counted (not ok, no optimizer step in the window, no "
+              f"estimate or no steady allocated): {', '.join(excluded)}")
     if failed:
         print(f"\nre-estimate failed for {len(failed)} runs: {', '.join(failed)}")
     if a.out:
         a.out.write_text(json.dumps({
             "source": "reestimated" if a.reestimate else "recorded",
             "files": {p.name: "fit" if p.name in fits else "holdout" for p in files},
-            "scales": ALLOCATOR_SCALES, "failed": failed, **res, "rows": rows},
+            "scales": ALLOCATOR_SCALES, "failed": failed, "excluded": excluded, **res,
+            "rows": rows},
             indent=1) + "\n")
     return 1 if failed else 0
 

@@ -16,7 +16,8 @@ Run it on two trees and compare (the package is imported from ``PYTHONPATH`` fir
 
 ``--compare`` prints each question whose answer differs (the first differing path and both
 values; ``free_memory``, a reading of this machine's RAM, is left out) and exits 1 if any does. Traces are kept in a fresh cache folder per run, so no answer
-is read from a trace another tree made. Takes some 10 minutes on 2 cores.
+is read from a trace another tree made. Takes some 10 minutes on 2 cores. ``--quick`` asks
+three questions (a CPU estimate, a CUDA estimate, a plan) in seconds; ``--only`` picks others.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+
+from _quick import add_flag, guard  # noqa: E402
+
+QUICK = ("cpu: llama fp32 adamw sdpa", "estimate: gpt2 t4 fp16 custom loop", "plan: gpt2 cpu")
 
 GRPO_VLLM = {"use_vllm": True, "vllm_mode": "colocate", "per_device_train_batch_size": 4,
              "num_generations": 8, "max_completion_length": 512, "bf16": True,
@@ -318,14 +323,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="the JSON file to write")
     ap.add_argument("--compare", help="a snapshot of another tree to compare with")
     ap.add_argument("--only", help="ask only questions whose name contains this")
+    add_flag(ap)
     a = ap.parse_args(argv)
+    guard(a.quick, a.out, "--out")
     os.environ["HF_MEMKIT_CACHE"] = tempfile.mkdtemp(prefix="hfmk-snapshot-")
     import hf_memkit
 
     print(f"hf_memkit from {Path(hf_memkit.__file__).parent}", flush=True)
     answers = {}
     for name, fn in questions().items():
-        if a.only and a.only not in name:
+        if (a.only and a.only not in name) or (a.quick and not a.only and name not in QUICK):
             continue
         t0 = time.perf_counter()
         answers[name] = json.loads(json.dumps(_answer(fn), default=str))

@@ -18,12 +18,16 @@ the model, the trace cache off) are reported, not gated. Any stderr output is re
 commands print no third-party notices that our own calls trigger. Every run gets a cache folder
 of its own (``HF_MEMKIT_CACHE``): the user's is never read or written.
 
-    python bench/cli_speed.py [--repeat 5] [--estimate-repeat 3] [--no-plan]
+    python bench/cli_speed.py [--repeat 5] [--estimate-repeat 3] [--no-plan] [--json PATH] [--quick]
+
+``--quick``: one process per light command, no estimate, no plan; the bars are reported, not
+gated (one run on a busy machine is not a measurement).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -31,6 +35,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _quick import add_flag, guard
 
 BAR = 2.5
 BAD_INPUT_BAR_S = 1.0
@@ -85,13 +91,26 @@ def plan_twice(folder: str) -> list[tuple[str, float, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Time the commands; print the table and the bars, and write ``--json``.
+
+    Args:
+        argv: the command line (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 1 where a bar is missed (not under ``--quick``), else 0.
+    """
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5, help="fresh processes per light command")
     ap.add_argument("--estimate-repeat", type=int, default=3,
                     help="fresh processes for the estimate (0 skips it)")
     ap.add_argument("--no-plan", action="store_true",
                     help="skip the repeated plan (about a minute on 2 cores)")
+    ap.add_argument("--json", help="write every command's time and the bars here")
+    add_flag(ap)
     a = ap.parse_args(argv)
+    guard(a.quick, a.json, "--json")
+    if a.quick:
+        a.repeat, a.estimate_repeat, a.no_plan = 1, 0, True
     folder = tempfile.mkdtemp(prefix="hf_memkit-cli-speed-")
     try:
         return _run(a, folder)
@@ -135,7 +154,13 @@ def _run(a: argparse.Namespace, folder: str) -> int:
               f"{first / again:.1f}x); with the kept traces alone: {traces:.1f} s, "
               f"{first / traces:.1f}x; a neighbouring question (target batch 64): "
               f"{near:.1f} s, {first / near:.1f}x faster than the first")
-    return 0 if ok else 1
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"quick": a.quick, "import_transformers_s": base,
+                       "commands": [{"command": name, "seconds": sec, "ratio": sec / base,
+                                     "stderr": err} for name, sec, err in rows],
+                       "bars_met": ok}, f, indent=1)
+    return 0 if ok or a.quick else 1
 
 
 if __name__ == "__main__":

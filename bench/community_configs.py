@@ -22,10 +22,12 @@ For every row:
     step (``stage: forward_backward``) have no plan question.
 
     python bench/community_configs.py [--json out.json] [--markdown out.md] [--only SUBSTR]
-                                      [--no-plan]
+                                      [--no-plan] [--quick]
 
 Exit status 0 only when the bar of issue #24 is met: at most 1 counted known-working row
-refused and no known-OOM row accepted. Progress goes to stderr; one process, the trace cache on
+refused and no known-OOM row accepted, and every row was estimated (a row the estimator cannot
+express is reported, and fails the run). ``--quick``: two rows (one that ran, one published as
+out of memory), in seconds; there the bar is reported, not gated (two rows are not the bar's). Progress goes to stderr; one process, the trace cache on
 disk is reused across rows (and runs).
 """
 
@@ -43,6 +45,11 @@ from typing import Any
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _quick import add_flag, guard  # noqa: E402
+
+QUICK = ("hfdocs_bert_large_fp16_v100", "peft_bloomz_7b1_full_a100")
 DATA = Path(__file__).resolve().with_name("community_configs.yaml")
 UNITS = {"B": 1, "MB": 10**6, "MiB": 2**20, "GB": 10**9, "GiB": 2**30}
 # the estimate's figure that a published measure corresponds to
@@ -396,7 +403,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", default=str(DATA), help="the rows (default: %(default)s)")
     ap.add_argument("--from-json", metavar="PATH",
                     help="render the table and summary of an earlier --json run (no estimates)")
+    add_flag(ap)
     a = ap.parse_args(argv)
+    guard(a.quick and not a.from_json, a.json, "--json")
+    if a.markdown:
+        guard(a.quick, a.markdown, "--markdown")
     if a.from_json:
         names = {f.name for f in fields(Result)}
         with open(a.from_json) as f:
@@ -404,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
                        for r in json.load(f)["rows"]]
         print(markdown(results, summarize(results)) + reasons(results))
         return 0
-    rows = [r for r in load_rows(Path(a.data)) if not a.only or a.only in r["id"]]
+    rows = [r for r in load_rows(Path(a.data)) if (not a.only or a.only in r["id"])
+            and (not a.quick or a.only or r["id"] in QUICK)]
     if not rows:
         print(f"no row matches {a.only!r}", file=sys.stderr)
         return 2
@@ -428,7 +440,9 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"rows": [dict(asdict(r), rel_err=r.rel_err, correct=r.correct)
                                 for r in results],
                        "summary": summary, "seconds": total}, f, indent=1)
-    return 0 if summary["bar_met"] else 1
+    if summary["errors"]:
+        print(f"not estimated: {', '.join(summary['errors'])}", file=sys.stderr)
+    return 0 if (summary["bar_met"] or a.quick) and not summary["errors"] else 1
 
 
 if __name__ == "__main__":

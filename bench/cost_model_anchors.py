@@ -15,7 +15,9 @@ and cannot fail).
    vs full, LoRA rank): the ratio error of the predicted speed ratio (predicted / published - 1),
    and Spearman rho over the five speed ratios (n = 5: a weak statistic, shown for what it is).
 
-    python bench/cost_model_anchors.py [--json PATH]
+    python bench/cost_model_anchors.py [--json PATH] [--quick]
+
+``--quick`` changes nothing: the whole report is arithmetic and takes about a second.
 
 A report: it has no pass/fail bar (the project states none for the cost model), exit status 0.
 """
@@ -30,10 +32,14 @@ from pathlib import Path
 
 import yaml
 
-from hf_memkit import get_device
-from hf_memkit._model import architecture_facts, load_bundled_config
-from hf_memkit._plan import Candidate
-from hf_memkit._plan.cost import Shape, cost
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _quick import add_flag, guard  # noqa: E402
+
+from hf_memkit import get_device  # noqa: E402
+from hf_memkit._model import architecture_facts, load_bundled_config  # noqa: E402
+from hf_memkit._plan import Candidate  # noqa: E402
+from hf_memkit._plan.cost import Shape, cost  # noqa: E402
 
 ANCHORS = Path(__file__).resolve().parents[2] / "shared" / "anchors" / "published_gpu_cases.yaml"
 MODELS = {"EleutherAI/pythia-410m-deduped": ("pythia-410m", "RTX-3080Ti-Laptop-16GB"),
@@ -171,7 +177,9 @@ def technique_report() -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, help="write the figures here")
+    add_flag(ap)
     a = ap.parse_args(argv)
+    guard(a.quick, a.json, "--json")
     cases = yaml.safe_load(ANCHORS.read_text())
     print("1. SDPA training benchmark (time per batch, pure fp16 forward+backward, no optimizer)")
     sdpa = sdpa_report(sdpa_rows(cases))

@@ -6,7 +6,9 @@ accelerate's own ``fsdp2_prepare_model`` in a Trainer-like loop. Each rank repor
 (RSS window with ``MALLOC_MMAP_THRESHOLD_=65536``, steady steps >= 2) and its local parameter,
 gradient and optimizer-state bytes. Nothing here is estimated; ``bench/sharding.py`` compares.
 
-    python bench/dist_measure.py [--out results.json] [--only SUBSTRING]
+    python bench/dist_measure.py [--out results.json] [--only SUBSTRING] [--quick]
+
+``--quick``: the plain DDP case only (``QUICK``), about a minute on 2 cores; needs ``--out``.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _dist_cases import NPROC, cases  # noqa: E402
+from _quick import add_flag, guard  # noqa: E402
 
 from hf_memkit._units import MiB  # noqa: E402
 from hf_memkit.testing.groundtruth_dist import measure_distributed_peak  # noqa: E402
+
+QUICK = ("ddp-fp32-adamw",)
 
 
 def measure(only: str | list[str] | None = None, specs: list[dict] | None = None) -> list[dict]:
@@ -32,7 +37,7 @@ def measure(only: str | list[str] | None = None, specs: list[dict] | None = None
     wanted = [only] if isinstance(only, str) else only
     for spec in specs if specs is not None else cases():
         if wanted and not any(o in spec["name"] for o in wanted):
-            continue
+            continue  # not asked for
         t0 = time.perf_counter()
         res = measure_distributed_peak({k: v for k, v in spec.items() if k != "name"},
                                        nproc=NPROC)
@@ -62,11 +67,22 @@ def render(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Measure the cases; print the table and write ``--out``.
+
+    Args:
+        argv: the command line (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0, or 2 where ``--only`` matches no case.
+    """
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the full results (every rank, every step) as JSON here")
     ap.add_argument("--only", help="run only the cases whose name contains this")
+    add_flag(ap)
     a = ap.parse_args(argv)
-    rows = measure(a.only)
+    guard(a.quick, a.out, "--out")
+    quick = [c for c in cases() if c["name"] in QUICK] if a.quick and not a.only else None
+    rows = measure(a.only, quick)
     if not rows:
         print(f"no case matches --only {a.only!r}; cases: "
               + ", ".join(c["name"] for c in cases()), file=sys.stderr)

@@ -15,17 +15,22 @@ Deeper models: the ``llama6``/``llama8`` cases have more blocks than the estimat
 traces of 2 and 3 blocks extrapolated in depth (``EXTRAPOLATE_AT``); the measurement runs the
 whole model. Their errors are also reported on their own.
 
-    python bench/estimator_cpu.py [--json results.json] [--only SUBSTRING]
+    python bench/estimator_cpu.py [--json PATH] [--only SUBSTRING] [--quick]
+
+A full run writes ``bench/results/estimator_cpu.json`` (``--json`` elsewhere); ``--only`` and
+``--quick`` (two small cases: a check that the bench runs, not the published figures) write
+only where ``--json`` says. A case needing an optional package that is missing is reported and
+counted as skipped; a case that cannot run otherwise is a failure (exit status 1).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -45,6 +50,10 @@ from hf_memkit._estimate.activations import FULL_TRACE_MAX_LAYERS
 from hf_memkit._model.facts import layer_count
 from hf_memkit._units import MiB
 from hf_memkit.testing.groundtruth import measure_trainer_peak
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _quick, _matrix
+from _matrix import run_matrix, write_results  # noqa: E402
+from _quick import RESULTS, add_flag, guard  # noqa: E402
 
 LLAMA = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                     num_attention_heads=4, num_key_value_heads=2, vocab_size=8000,
@@ -70,10 +79,27 @@ LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o
 NF4 = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype="bfloat16")
 
 
+# the optional package each optimizer of the matrix imports (its extra: bnb, optimizers; torchao
+# is in the dev extra only). A case declares what it needs through this table, LoRA (peft) and
+# 4-bit (bitsandbytes); where one is missing the case is reported as skipped, never dropped
+OPTIM_NEEDS = {"adamw_bnb_8bit": "bitsandbytes", "ademamix": "bitsandbytes",
+               "ademamix_8bit": "bitsandbytes", "lion_8bit": "bitsandbytes",
+               "schedule_free_adamw": "schedulefree", "schedule_free_sgd": "schedulefree",
+               "schedule_free_radam": "schedulefree", "stable_adamw": "optimi",
+               "grokadamw": "grokadamw", "adamw_torch_8bit": "torchao",
+               "adamw_torch_4bit": "torchao", "galore_adamw": "galore_torch",
+               "galore_adafactor": "galore_torch", "apollo_adamw": "apollo_torch"}
+
+
 def case(name, config, args, seq, *, task="causal-lm", attn=None, lora=None, quant=None,
-         dtype=None, target_len=None):
+         dtype=None, target_len=None, needs=()):
+    """``needs``: optional packages the run imports beyond those ``OPTIM_NEEDS``, ``lora`` and
+    ``quant`` imply."""
+    needs = (needs,) if isinstance(needs, str) else tuple(needs)
+    needs += ((OPTIM_NEEDS[args["optim"]],) if args.get("optim") in OPTIM_NEEDS else ()) \
+        + ("peft",) * bool(lora) + ("bitsandbytes",) * bool(quant)
     return dict(name=name, config=config, args=args, seq=seq, task=task, attn=attn, lora=lora,
-                quant=quant, dtype=dtype, target_len=target_len)
+                quant=quant, dtype=dtype, target_len=target_len, needs=tuple(dict.fromkeys(needs)))
 
 
 def b(n, **kw):
@@ -163,6 +189,15 @@ CASES = [
 ]
 
 
+DEFAULT_JSON = RESULTS / "estimator_cpu.json"
+# --quick: the Trainer's CUDA default (fused AdamW) and a case that declares a package
+# (bitsandbytes: torchao's 8-bit step compiles for minutes on a 2-core CPU)
+QUICK = ("llama bf16 fused", "llama fp32 accum4 bnb8bit")
+# the versions recorded beside torch/transformers/trl: the optional packages the cases need
+EXTRA_DISTS = ("bitsandbytes", "torchao", "schedulefree", "torch-optimi", "grokadamw",
+               "galore-torch", "apollo-torch")
+
+
 def predict(c):
     import peft
 
@@ -227,49 +262,88 @@ def print_table(rows, console) -> None:
     console.print(t)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="write per-case results here")
-    ap.add_argument("--only", help="run cases whose name contains this")
-    a = ap.parse_args(argv)
-    cases = [c for c in CASES if not a.only or a.only in c["name"]]
-    console = Console(width=150)
-    import importlib.util
+def summarize(rows) -> dict:
+    """The medians and worsts of ``rows``' errors, overall and the extrapolated cases on their own.
 
-    if importlib.util.find_spec("torchao") is None:  # not in the optimizers extra (README)
-        skipped = [c["name"] for c in cases if "adamw_torch_" in str(c["args"].get("optim"))]
-        cases = [c for c in cases if c["name"] not in skipped]
-        if skipped:
-            console.print(f"torchao is not installed: skipped {', '.join(skipped)}")
-    rows = [run_case(c, console) for c in cases]
-    print_table(rows, console)
+    Args:
+        rows: the rows of the cases run (``run_case``).
+
+    Returns:
+        The summary (``cases`` 0 and no figures where none ran).
+    """
+    if not rows:
+        return dict(cases=0)
     errs = [abs(r["err"]) for r in rows]
-    base_w = [abs(r["weights_only_err"]) for r in rows]
-    base_18 = [abs(r["rule18_err"]) for r in rows]
-    act_heavy = sum(r["activation_share"] >= 0.5 for r in rows)
     deep = [abs(r["err"]) for r in rows if r["extrapolated"]]
-    summary = dict(cases=len(rows), median_abs_err=statistics.median(errs), worst_abs_err=max(errs),
-                   weights_only_median_abs_err=statistics.median(base_w),
-                   rule18_median_abs_err=statistics.median(base_18),
-                   activation_heavy_cases=act_heavy, extrapolated_cases=len(deep),
-                   extrapolated_median_abs_err=statistics.median(deep) if deep else None,
-                   extrapolated_worst_abs_err=max(deep) if deep else None)
+    return dict(cases=len(rows), median_abs_err=statistics.median(errs), worst_abs_err=max(errs),
+                weights_only_median_abs_err=statistics.median(
+                    abs(r["weights_only_err"]) for r in rows),
+                rule18_median_abs_err=statistics.median(abs(r["rule18_err"]) for r in rows),
+                activation_heavy_cases=sum(r["activation_share"] >= 0.5 for r in rows),
+                extrapolated_cases=len(deep),
+                extrapolated_median_abs_err=statistics.median(deep) if deep else None,
+                extrapolated_worst_abs_err=max(deep) if deep else None)
+
+
+def print_summary(summary, console) -> None:
+    """Print the summary's figures against the bar.
+
+    Args:
+        summary: ``summarize``'s result (at least one case run).
+        console: the rich console to print on.
+    """
+    n = summary["cases"]
     console.print(
-        f"{len(rows)} cases: hf_memkit median |error| {100 * summary['median_abs_err']:.2f}%, "
+        f"{n} cases: hf_memkit median |error| {100 * summary['median_abs_err']:.2f}%, "
         f"worst {100 * summary['worst_abs_err']:.2f}% (bar: 1% / 3%); weights-only median "
         f"{100 * summary['weights_only_median_abs_err']:.0f}%, 18 B/param median "
-        f"{100 * summary['rule18_median_abs_err']:.0f}%; {act_heavy}/{len(rows)} cases have "
-        "activations >= 50% of the peak")
-    if deep:
+        f"{100 * summary['rule18_median_abs_err']:.0f}%; {summary['activation_heavy_cases']}/{n} "
+        "cases have activations >= 50% of the peak")
+    if summary["extrapolated_cases"]:
         console.print(
-            f"{len(deep)} cases deeper than FULL_TRACE_MAX_LAYERS={FULL_TRACE_MAX_LAYERS} "
-            f"(extrapolated from 2/3-block traces): median |error| {100 * statistics.median(deep):.2f}%, "
-            f"worst {100 * max(deep):.2f}%")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"summary": summary, "rows": rows}, f, indent=2)
-    ok = summary["median_abs_err"] <= 0.01 and summary["worst_abs_err"] <= 0.03
-    return 0 if ok else 1
+            f"{summary['extrapolated_cases']} cases deeper than FULL_TRACE_MAX_LAYERS="
+            f"{FULL_TRACE_MAX_LAYERS} (extrapolated from 2/3-block traces): median |error| "
+            f"{100 * summary['extrapolated_median_abs_err']:.2f}%, "
+            f"worst {100 * summary['extrapolated_worst_abs_err']:.2f}%")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Estimate and measure the cases; print the table and write the results file.
+
+    Args:
+        argv: the command line (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 1 where a case failed, or (a full run) the bar is missed; else 0.
+    """
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help=f"write the results here (a full run: {DEFAULT_JSON}; "
+                                   "--only / --quick: nowhere unless given)")
+    ap.add_argument("--only", help="run cases whose name contains this")
+    add_flag(ap)
+    a = ap.parse_args(argv)
+    guard(a.quick, a.json, "--json")
+    path = a.json or (None if a.quick or a.only else DEFAULT_JSON)
+    cases = [c for c in CASES if (not a.only or a.only in c["name"])
+             and (not a.quick or c["name"] in QUICK)]
+    console = Console(width=150)
+    rows, skipped, failed = run_matrix(cases, run_case, console)
+    summary = summarize(rows)
+    if rows:
+        print_table(rows, console)
+        print_summary(summary, console)
+    summary.update(skipped=len(skipped), failed=len(failed))
+    if path:
+        write_results(path, {"summary": summary, "rows": rows, "skipped": skipped,
+                             "failed": failed}, "bench/estimator_cpu.py", argv, EXTRA_DISTS)
+        console.print(f"wrote {path}")
+    if not rows:
+        console.print("no case ran")
+    if failed or not rows:
+        return 1
+    # a quick run's few cases check the bench end to end: its bar is reported, not gated
+    return 0 if a.quick or (summary["median_abs_err"] <= 0.01
+                            and summary["worst_abs_err"] <= 0.03) else 1
 
 
 if __name__ == "__main__":

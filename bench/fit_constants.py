@@ -2,7 +2,9 @@
 declares, with the rule each constant's comment states, and compare with the value the package
 holds.
 
-    python bench/fit_constants.py [--json PATH]
+    python bench/fit_constants.py [--json PATH] [--quick]
+
+(``--quick`` changes nothing: reading the fit set takes about a second.)
 
 The fit set is declared before anything is fitted; holdout files are never read here. Each rule:
 
@@ -43,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import band_fit  # noqa: E402
+from _quick import add_flag, guard  # noqa: E402
 from gpu_reestimate import fit_set  # noqa: E402
 
 from hf_memkit._cuda import runtime  # noqa: E402
@@ -127,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", type=Path, default=RESULTS, help="the GPU results folder")
     ap.add_argument("--json", help="write the constants here")
+    add_flag(ap)
     a = ap.parse_args(argv)
+    guard(a.quick, a.json, "--json")
     try:
         out = compute(a.dir)
     except FileNotFoundError as e:

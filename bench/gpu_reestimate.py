@@ -1,7 +1,8 @@
 """Re-estimate the runs of committed GPU results files (``bench/results/gpu/``) with the estimator
 as it is now, on this machine (no GPU needed), and compare with what each run measured there.
 
-    python bench/gpu_reestimate.py [FILE ...] [--only SUBSTR ...] [--json PATH]
+    python bench/gpu_reestimate.py [FILE ...] [--only SUBSTR ...] [--json PATH] [--quick]
+    python bench/gpu_reestimate.py --write-expected bench/results/gpu/reestimate_expected.json
 
 A results file keeps each run's setup (``case``), its measurements and the estimate made on the
 GPU at the time. This makes the harness's estimate (``gpu_truth.estimate``) again for the same
@@ -14,7 +15,14 @@ the file was measured with, the script says so, since model code changes what a 
 attention mask became contiguous after transformers 5.17, which changes its CUDA kernel). To
 re-estimate with the file's version, put it first on ``PYTHONPATH``.
 
-Exit status 0 when every run was re-estimated, 1 otherwise.
+``--write-expected`` records every committed run's error today, with the versions it was made
+with (``_reestimate_expected``): tests/unit/bench/test_gpu_reestimate.py fails when a run's error
+moves away from it, so regenerate it with each estimator change that moves one, and say why.
+
+``--quick``: the first ok run of each file only (seconds); never with ``--write-expected``.
+
+Exit status 0 when every run was re-estimated, 1 otherwise (a run without a recorded device
+counts as not re-estimated).
 """
 
 from __future__ import annotations
@@ -28,9 +36,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import _reestimate_expected  # noqa: E402
 import gpu_truth  # noqa: E402
 from _gpu_cases import Case  # noqa: E402
 from _gpu_report import METRICS, measured_values, rel_errors, summarise  # noqa: E402
+from _quick import add_flag, guard  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu"
 
@@ -59,7 +69,8 @@ def version_gaps(env: dict[str, Any]) -> list[str]:
     return gaps
 
 
-def reestimated(path: Path, only: list[str]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+def reestimated(path: Path, only: list[str],
+                quick: bool = False) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """(the record as measured, the same record with today's estimate) for each ok run of
     ``path``: the estimate the harness makes (``gpu_truth.estimate``), for the device and CUDA
     version the run recorded."""
@@ -70,12 +81,12 @@ def reestimated(path: Path, only: list[str]) -> list[tuple[dict[str, Any], dict[
         if rec.get("status") != "ok" or (only and not any(s in rec["id"] for s in only)):
             continue
         device = ((rec.get("estimate") or {}).get("to_dict") or {}).get("device")
-        if device is None:
-            continue
-        now = gpu_truth.estimate(Case.from_dict(rec["case"]), False, device=device,
-                                 cuda_version=cuda)
+        now = {"error": "no recorded device"} if device is None else gpu_truth.estimate(
+            Case.from_dict(rec["case"]), False, device=device, cuda_version=cuda)
         pairs.append((rec, {**rec, "estimate": now}))
         print(line(pairs[-1]), flush=True)
+        if quick:
+            break
     return pairs
 
 
@@ -111,8 +122,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="re-estimate only runs whose id contains SUBSTR (repeatable)")
     ap.add_argument("--json", type=Path, metavar="PATH",
                     help="also write the rows and summaries here")
+    ap.add_argument("--write-expected", type=Path, metavar="PATH",
+                    help="write every committed run's error today, for the CI check (all "
+                    "files, no --only)")
+    add_flag(ap)
     a = ap.parse_args(argv)
-    files = a.files or sorted(RESULTS.glob("*.json"))
+    guard(a.quick, a.json, "--json")
+    if a.write_expected and (a.files or a.only or a.quick):
+        print("--write-expected records every committed run: give no files, --only or --quick",
+              file=sys.stderr)
+        return 2
+    files = a.files or [f for f in sorted(RESULTS.glob("*.json"))  # not the derived files
+                        if "runs" in json.loads(f.read_text())]
     missing = [str(f) for f in files if not f.is_file()]
     if missing or not files:
         print(f"no such results file: {', '.join(missing) or RESULTS / '*.json'}; give files "
@@ -120,25 +141,41 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     fits = fit_set(RESULTS)
     sides: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {"fit": [], "holdout": []}
+    origin: dict[int, str] = {}  # id() of each run's record -> the results file it came from
+    envs: dict[str, dict[str, Any]] = {}
     for path in files:
-        env = json.loads(path.read_text()).get("environment") or {}
+        env = envs[path.name] = json.loads(path.read_text()).get("environment") or {}
         side = "fit" if path.name in fits else "holdout"
         print(f"{path.name} ({side}): {env.get('gpu_name')}, torch {env.get('torch')}, "
               f"transformers {env.get('transformers')}")
         for gap in version_gaps(env):
             print(f"  note: {gap}; model code may differ from what ran", flush=True)
-        sides[side] += reestimated(path, a.only)
+        got = reestimated(path, a.only, a.quick)
+        origin.update((id(then), path.name) for then, _ in got)
+        sides[side] += got
     for side, pairs in sides.items():
         if pairs:
             print_summary(side, pairs)
+    rows = {side: [{"id": then["id"], "file": origin[id(then)], "measured": measured_values(then),
+                    "then": rel_errors(then), "now": rel_errors(now),
+                    "estimate_now": now["estimate"]} for then, now in pairs]
+            for side, pairs in sides.items()}
+    if a.write_expected:
+        a.write_expected.write_text(json.dumps(_reestimate_expected.expectations(
+            {side: [(f"{r['file']}::{r['id']}", r) for r in rs] for side, rs in rows.items()},
+            envs), indent=1) + "\n")
     if a.json:
-        a.json.write_text(json.dumps({side: {
-            "rows": [{"id": then["id"], "measured": measured_values(then),
-                      "then": rel_errors(then), "now": rel_errors(now),
-                      "estimate_now": now["estimate"]} for then, now in pairs],
+        import torch
+        import transformers
+
+        doc: dict[str, Any] = {side: {
+            "rows": rows[side],
             "then": summarise([p[0] for p in pairs]),
-            "now": summarise([p[1] for p in pairs])} for side, pairs in sides.items()},
-            indent=1, default=str) + "\n")
+            "now": summarise([p[1] for p in pairs])} for side, pairs in sides.items()}
+        # the stack the re-estimates were made with (model code moves them: see above)
+        doc["reestimated_with"] = {"torch": torch.__version__,
+                                   "transformers": transformers.__version__}
+        a.json.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     return 0 if all("error" not in now["estimate"] for pairs in sides.values()
                     for _, now in pairs) else 1
 

@@ -9,9 +9,11 @@ kernel's own peak, is what one rank adds per layer. The CPU test
 (tests/unit/estimate/test_ring_attention_buffers.py) checks the same on fake tensors with the
 kernels' meta functions; this adds the kernels' real workspaces and the caching allocator.
 
-    python bench/gpu_ring_attention.py [--out DIR]
+    python bench/gpu_ring_attention.py [--out DIR] [--quick]
 
 Without a CUDA GPU it says so and exits 0. Results: ``ring_attention_<gpu>_<date>.json``.
+``--quick``: cp=2 with each exchange, the shorter shape only; needs ``--out`` (never
+``bench/results/``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import sys
 from pathlib import Path
 
 import torch
+from _quick import add_flag, guard
 
 from hf_memkit._cuda.collectives import ring_buffers
 
@@ -30,6 +33,7 @@ SHAPES = [dict(batch=1, heads=32, kv_heads=8, head_dim=128, seq=32768),
           dict(batch=1, heads=16, kv_heads=16, head_dim=64, seq=16384)]
 CASES = [(2, "allgather"), (4, "allgather"), (8, "allgather"), (2, "alltoall"), (4, "alltoall"),
          (8, "alltoall")]
+QUICK_CASES = [(2, "allgather"), (2, "alltoall")]
 
 
 def _peak(fn):
@@ -71,10 +75,22 @@ def one(shape: dict, cp: int, comm: str) -> dict:
             "error": {k: ours[k] / measured[k] - 1 for k in ours if measured[k]}}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Measure each case on the GPU; print the errors and write the results file.
+
+    Args:
+        argv: the command line (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0 (also without a GPU, after saying so).
+    """
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gpu")
-    a = ap.parse_args()
+    ap.add_argument("--out", type=Path, default=None,
+                    help="directory of the results file (default bench/results/gpu)")
+    add_flag(ap)
+    a = ap.parse_args(argv)
+    guard(a.quick, a.out, "--out")
+    a.out = a.out or Path(__file__).parent / "results" / "gpu"
     if not torch.cuda.is_available():
         print("no CUDA GPU here: nothing measured")
         return 0
@@ -82,10 +98,11 @@ def main() -> int:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     rows = []
-    for cp, comm in CASES:
+    shapes = SHAPES[1:] if a.quick else SHAPES
+    for cp, comm in QUICK_CASES if a.quick else CASES:
         dist.init_process_group("fake", store=FakeStore(), rank=cp - 1, world_size=cp)
         try:
-            rows += [one(shape, cp, comm) for shape in SHAPES]
+            rows += [one(shape, cp, comm) for shape in shapes]
         finally:
             dist.destroy_process_group()
     for r in rows:

@@ -2,7 +2,7 @@
 ``DPOTrainer``) on one CUDA GPU, measured, next to the estimate hf_memkit makes of the same run.
 
     python bench/gpu_truth.py [--out DIR] [--only SUBSTR ...] [--timeout S] [--gpu INDEX] [--list]
-                              [--estimate-workers N]
+                              [--estimate-workers N] [--quick]
 
 Each case of ``bench/_gpu_cases.py`` (models built from configs with random weights, synthetic
 tokens, nothing downloaded) runs in its own child process (``--run-one``), so the CUDA context and
@@ -65,6 +65,9 @@ the bracket, the estimate's required / device_used / upper / margin). ``--bisect
 its measurements are zeros); it records Liger and TRL activation-offloading cases as skipped
 (Triton kernels; ``OffloadActivations`` needs an accelerator). A bisect case's probes run the
 same search there, a capacity below the estimate's own failing with a fake OOM.
+``--quick`` runs ``QUICK`` (a full fine-tune and a LoRA one, when no ``--only``) into ``--out``,
+which it needs (never ``bench/results/``). Exit status 1 when no case ran, or a case ended in an
+error or a timeout (out of memory and skipped are results).
 """
 
 from __future__ import annotations
@@ -137,9 +140,12 @@ from _gpu_report import (  # noqa: E402,F401  (the tests read them here)
     unique_path,
     write_json,
 )
+from _quick import add_flag, guard  # noqa: E402
 
 MARK = "@@GPU_TRUTH "
 DEFAULT_OUT = BENCH / "results" / "gpu"
+QUICK = ("llama-160m.fp32.adamw_torch.sdpa.b4s1024",
+         "llama-160m.amp_bf16.lora.adamw_torch.sdpa.b8s1024")
 SCHEMA = 2  # 2: pinned device, oom status, flags, estimate before the run
 # imported by the probe child (cases and hf_memkit need them); the heavy ones only looked up
 IMPORT_CHECK = ("peft", "bitsandbytes", "pynvml", "rich", "yaml", "psutil", "hf_memkit")
@@ -1127,15 +1133,16 @@ def run_matrix(cases: list[Case], a: argparse.Namespace) -> int:
     counts = {s: sum(r["status"] == s for r in doc["runs"])
               for s in ("ok", "oom", "error", "timeout", "skipped")}
     print(f"{counts} in {time.perf_counter() - t0:.0f} s; wrote {path}")
-    return 0 if counts["ok"] else 1
+    return 0 if counts["ok"] and not counts["error"] and not counts["timeout"] else 1
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="gpu_truth.py", description="Measure real Trainer runs on this CUDA GPU and compare "
         "them with hf_memkit's estimates; one JSON file of results.")
-    ap.add_argument("--out", default=str(DEFAULT_OUT),
+    ap.add_argument("--out", default=None,
                     help="directory of the result file (default: bench/results/gpu)")
+    add_flag(ap)
     ap.add_argument("--only", action="append", metavar="SUBSTR",
                     help="run only cases whose id contains SUBSTR (repeatable: any of them)")
     ap.add_argument("--timeout", type=float, default=120.0,
@@ -1194,7 +1201,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.probe:
         probe(a.cpu_smoke)
         return 0
-    cases = select(a.only)
+    cases = select(a.only or (list(QUICK) if a.quick else None))
+    guard(a.quick and not a.list, a.out, "--out")
+    a.out = a.out or str(DEFAULT_OUT)
     if a.list:
         list_cases(cases)
         return 0

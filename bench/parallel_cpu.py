@@ -10,7 +10,10 @@ the same comparison for the engine alone. Context parallelism cannot run on a CP
 rule for the CPU SDPA kernel): its buffers are checked against torch's own ring attention on
 fake tensors (tests/unit/estimate/test_ring_attention_buffers.py).
 
-    python bench/parallel_cpu.py [--measured PATH | --measure] [--json out.json]
+    python bench/parallel_cpu.py [--measured PATH | --measure] [--json out.json] [--quick]
+
+A case the measurements lack fails the run (exit 1), it is not left out. ``--quick``: the
+``QUICK`` cases only (one TP, one SP), from the measurements, in seconds.
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _dist_cases  # noqa: E402
+from _quick import add_flag, guard  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
 import hf_memkit as mk  # noqa: E402
 
 MEASURED = Path(__file__).resolve().parent / "results" / "parallel_measured.json"
+QUICK = ("tp-fp32", "sp-zero3-fp32-seq1024")
 
 
 def args_of(spec: dict) -> dict:
@@ -63,26 +68,37 @@ def estimate(spec: dict) -> int:
     return est.peak_allocated
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Estimate each measured case; print the table and write ``--json``.
+
+    Args:
+        argv: the command line (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0, or 1 where the measurements lack a case.
+    """
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--measured", default=str(MEASURED), help="parallel_measure.py's JSON")
     ap.add_argument("--measure", action="store_true", help="run the cases again instead")
     ap.add_argument("--json", type=Path)
-    a = ap.parse_args()
+    add_flag(ap)
+    a = ap.parse_args(argv)
+    guard(a.quick, a.json, "--json")
+    specs = [s for s in _dist_cases.parallel_cases() if not a.quick or s["name"] in QUICK]
     if a.measure:
         from hf_memkit.testing.groundtruth_dist import measure_distributed_peak
 
-        runs = {s["name"]: measure_distributed_peak(s, nproc=_dist_cases.NPROC)
-                for s in _dist_cases.parallel_cases()}
+        runs = {s["name"]: measure_distributed_peak(s, nproc=_dist_cases.NPROC) for s in specs}
     else:
         runs = {r["name"]: r["result"] for r in json.loads(Path(a.measured).read_text())["rows"]}
     table = Table(title=f"TP / SP per-rank peak, {_dist_cases.NPROC} gloo ranks (MiB)")
     for col in ("case", "seq", "measured (max rank)", "estimated", "error"):
         table.add_column(col)
     rows = []
-    for spec in _dist_cases.parallel_cases():
-        if spec["name"] not in runs:
-            continue
+    missing = [spec["name"] for spec in specs if spec["name"] not in runs]
+    for spec in specs:
+        if spec["name"] in missing:
+            continue  # reported below, and the run fails
         t0 = time.perf_counter()
         peak, pred = runs[spec["name"]]["peak"], estimate(spec)
         err = (pred - peak) / peak
@@ -96,9 +112,11 @@ def main() -> int:
     errs = [abs(r["error"]) for r in rows]
     console.print(f"{len(errs)} runs: median |error| {statistics.median(errs):.2%}, worst "
                   f"{max(errs):.2%}; within 8%: {sum(e <= 0.08 for e in errs)}/{len(errs)}")
+    if missing:
+        console.print(f"not measured in {a.measured}: {', '.join(missing)}")
     if a.json:
-        a.json.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
-    return 0
+        a.json.write_text(json.dumps({"rows": rows, "missing": missing}, indent=2) + "\n")
+    return 1 if missing else 0
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ The cases are ``bench/_dist_cases.py``'s ``parallel_cases()``; each trains for r
 Context parallelism does not run on CPU (torch 2.13 has no CP rule for the CPU SDPA kernel);
 ``_parallel_worker.CP_ON_CPU`` records what was tried. Nothing here is estimated.
 
-    python bench/parallel_measure.py [--json PATH] [--only SUBSTRING ...]
+    python bench/parallel_measure.py [--json PATH] [--only SUBSTRING ...] [--quick]
+
+``--quick``: the fp32 TP case only (``QUICK``), about a minute on 2 cores; it needs ``--json``
+(never the committed ``bench/results/parallel_measured.json``).
 """
 
 from __future__ import annotations
@@ -30,15 +33,27 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dist_measure  # noqa: E402
 from _dist_cases import NPROC, parallel_cases  # noqa: E402
+from _quick import add_flag, guard  # noqa: E402
 
 from hf_memkit._units import MiB  # noqa: E402
 from hf_memkit.testing._parallel_worker import CP_ON_CPU  # noqa: E402
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "parallel_measured.json"
+QUICK = ("tp-fp32",)
 
 
-def measure(only: list[str] | None = None) -> list[dict]:
-    return dist_measure.measure(only, parallel_cases())
+def measure(only: list[str] | None = None, quick: bool = False) -> list[dict]:
+    """Measure the parallel cases whose name contains one of ``only`` (all when empty).
+
+    Args:
+        only: name substrings.
+        quick: only the ``QUICK`` cases (by exact name), where ``only`` is empty.
+
+    Returns:
+        ``dist_measure.measure``'s rows.
+    """
+    specs = [c for c in parallel_cases() if not quick or only or c["name"] in QUICK]
+    return dist_measure.measure(only, specs)
 
 
 def _mib(x) -> str:
@@ -84,11 +99,15 @@ def table(rows: list[dict]) -> Table:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", default=str(DEFAULT_JSON),
-                    help=f"write every rank's full result here (default {DEFAULT_JSON})")
+    ap.add_argument("--json", default=None,
+                    help=f"write every rank's full result here (default {DEFAULT_JSON}; "
+                    "--quick: required)")
     ap.add_argument("--only", nargs="*", help="run only the cases whose name contains one of these")
+    add_flag(ap)
     a = ap.parse_args(argv)
-    rows = measure(a.only)
+    guard(a.quick, a.json, "--json")
+    a.json = a.json or str(DEFAULT_JSON)
+    rows = measure(a.only, a.quick)
     if not rows:
         print(f"no case matches --only {a.only!r}; cases: "
               + ", ".join(c["name"] for c in parallel_cases()), file=sys.stderr)

@@ -8,7 +8,9 @@ which counter it printed; the estimate's ``device_used`` (what nvidia-smi shows)
 ``peak_reserved`` (torch's ``max_memory_reserved``) are shown against it. Nothing here is fitted:
 the rows were gathered after the model was written and are not used to tune it.
 
-    python bench/parallel_published.py [--json out.json] [--skip-plan]
+    python bench/parallel_published.py [--json out.json] [--skip-plan] [--quick]
+
+``--quick``: the ``QUICK`` rows (Ulysses at 8k tokens with and without SP), no plan.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _quick import add_flag, guard  # noqa: E402
 
 import hf_memkit as mk  # noqa: E402
 from hf_memkit._units import GiB  # noqa: E402
@@ -73,6 +77,9 @@ ROWS = [
 ]
 
 
+QUICK = ("Qwen3-4B SP=1 8k (Ulysses blog)", "Qwen3-4B SP=4 8k (Ulysses blog)")
+
+
 def estimate(row: dict) -> dict:
     t = time.perf_counter()
     before = os.environ.get(ALLOC_ENV)
@@ -115,12 +122,22 @@ def million_token_plan() -> dict:
             "accelerate_config": plan.accelerate_config()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Estimate each published row (and plan the 1M-token run); print and write ``--json``.
+
+    Args:
+        argv: the command line (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0.
+    """
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--skip-plan", action="store_true")
-    a = ap.parse_args()
-    out = {"rows": [estimate(r) for r in ROWS]}
+    add_flag(ap)
+    a = ap.parse_args(argv)
+    guard(a.quick, a.json, "--json")
+    out = {"rows": [estimate(r) for r in ROWS if not a.quick or r["name"] in QUICK]}
     table = Table(title="context / sequence parallelism: estimate vs published per-GPU memory")
     for col in ("run", "published", "allocated", "device_used", "ratio (GB)", "ratio (GiB)",
                 "peak in"):
@@ -130,7 +147,7 @@ def main() -> None:
                       f"{r['device_used_gib']:.1f} GiB", f"{r['ratio_if_gb']:.2f}",
                       f"{r['ratio_if_gib']:.2f}", r["peak_phase"])
     Console(width=120).print(table)
-    if not a.skip_plan:
+    if not a.skip_plan and not a.quick:
         out["plan"] = million_token_plan()
         p = out["plan"]
         print(f"\n1M-token SFT of Qwen3-8B on 8 x H100: {p['chosen']}; {p['device_used_gib']:.1f} "
@@ -138,7 +155,8 @@ def main() -> None:
               f"in {p['seconds']:.0f} s\n{p['launch']}\n{p['accelerate_config']}")
     if a.json:
         a.json.write_text(json.dumps(out, indent=2) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -18,7 +18,10 @@
    full shard holds; it is shown against the full-shard estimate and left out of the bar.
 4. The planner's choice for Llama-3.1-70B on 8 x H100-80GB and 2 x A100-40GB.
 
-    python bench/sharding.py [--json out.json] [--skip-runs] [--measured dist.json]
+    python bench/sharding.py [--json out.json] [--skip-runs] [--measured dist.json] [--quick]
+
+``--quick``: 1.5B at 8 GPUs against DeepSpeed, the paper's table, ``dist_measure.QUICK``'s run
+(from ``--measured`` when it holds it, else run here) and one planner question.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _quick import add_flag, guard  # noqa: E402
 
 import hf_memkit as mk  # noqa: E402
 from hf_memkit._units import GiB  # noqa: E402
@@ -70,7 +75,7 @@ def _deepspeed_counts(name: str) -> tuple[int, int]:
     return mk.profile_model(name).total_params, largest
 
 
-def vs_deepspeed(console: Console) -> list[dict]:
+def vs_deepspeed(console: Console, quick: bool = False) -> list[dict]:
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
@@ -78,9 +83,9 @@ def vs_deepspeed(console: Console) -> list[dict]:
     table = Table(title="1. per-GPU model states vs DeepSpeed's estimators (GiB)")
     for col in ("model", "GPUs", "setup", "hf_memkit", "DeepSpeed", "error"):
         table.add_column(col, justify="right" if col not in ("model", "setup") else "left")
-    for size, name in MODELS.items():
+    for size, name in list(MODELS.items())[:1] if quick else MODELS.items():
         total, largest = _deepspeed_counts(name)
-        for n in GPUS:
+        for n in GPUS[:1] if quick else GPUS:
             nodes, per_node = max(1, n // 8), min(n, 8)
             for label, stage, off_opt, off_param in ZERO:
                 with warnings.catch_warnings():
@@ -167,7 +172,7 @@ def _our_args(spec: dict) -> dict:
     return args
 
 
-def vs_runs(console: Console, measured_path: str | None) -> list[dict]:
+def vs_runs(console: Console, measured_path: str | None, quick: bool = False) -> list[dict]:
     import _dist_cases
     from transformers import AutoConfig
 
@@ -182,7 +187,9 @@ def vs_runs(console: Console, measured_path: str | None) -> list[dict]:
     for col in ("case", "measured (max rank)", "estimated", "error"):
         table.add_column(col)
     rows = []
-    for spec in _dist_cases.cases():
+    from dist_measure import QUICK
+
+    for spec in [c for c in _dist_cases.cases() if not quick or c["name"] in QUICK]:
         t0 = time.perf_counter()
         m = measured.get(spec["name"]) or measure_distributed_peak(spec, nproc=_dist_cases.NPROC)
         cfg = dict(spec["config"])
@@ -215,7 +222,12 @@ def vs_runs(console: Console, measured_path: str | None) -> list[dict]:
     return rows
 
 
-def planner_choices(console: Console) -> list[dict]:
+PLANS = (("H100-80GB", 8, "auto", None), ("H100-80GB", 8, "deepspeed", None),
+         ("H100-80GB", 8, "auto", "512GiB"), ("A100-40GB", 2, "auto", None),
+         ("A100-40GB", 2, "auto", "256GiB"), ("H100-80GB", 16, "auto", None))
+
+
+def planner_choices(console: Console, quick: bool = False) -> list[dict]:
     table = Table(title="4. planner: Llama-3.1-70B, seq 4096, target batch 64")
     # per GPU: what the step needs (the smallest memory its replay runs in) + its margin, what
     # the plan judges against the budget
@@ -223,12 +235,7 @@ def planner_choices(console: Console) -> list[dict]:
                 "plan s"):
         table.add_column(col)
     rows = []
-    for dev, n, engine, host in (("H100-80GB", 8, "auto", None),
-                                 ("H100-80GB", 8, "deepspeed", None),
-                                 ("H100-80GB", 8, "auto", "512GiB"),
-                                 ("A100-40GB", 2, "auto", None),
-                                 ("A100-40GB", 2, "auto", "256GiB"),
-                                 ("H100-80GB", 16, "auto", None)):
+    for dev, n, engine, host in PLANS[:1] if quick else PLANS:
         t0 = time.perf_counter()
         label = engine + (f", host RAM {host}" if host else "")
         try:
@@ -258,18 +265,28 @@ def planner_choices(console: Console) -> list[dict]:
     return rows
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run the four comparisons; print the tables and write ``--json``.
+
+    Args:
+        argv: the command line (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0.
+    """
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write all results here")
     ap.add_argument("--skip-runs", action="store_true", help="skip the 2-process CPU runs")
     ap.add_argument("--measured", help="reuse bench/dist_measure.py --out results")
-    a = ap.parse_args()
+    add_flag(ap)
+    a = ap.parse_args(argv)
+    guard(a.quick, a.json, "--json")
     console = Console(width=160)
-    out = {"deepspeed": vs_deepspeed(console), "paper": vs_paper(console)}
+    out = {"deepspeed": vs_deepspeed(console, a.quick), "paper": vs_paper(console)}
     if not a.skip_runs:
-        out["runs"] = vs_runs(console, a.measured)
-    out["planner"] = planner_choices(console)
+        out["runs"] = vs_runs(console, a.measured, a.quick)
+    out["planner"] = planner_choices(console, a.quick)
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))
     return 0
