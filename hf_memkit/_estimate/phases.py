@@ -172,11 +172,11 @@ def step_phases(spec: ModelSpec, trace_spec: ModelSpec, setup: TrainingSetup, ex
                 held = traced_total if key.endswith("_accum") and rs.accum_gradients is None \
                     else 0
                 made = max(0, ex.categories.get(key, {}).get("Gradient", 0) - held)
-                # part of the phase's own excess: a category extrapolated in depth from traces
-                # whose peaks fall at different moments (2 blocks: the start of backward, 3: after
-                # the head's gradient) can exceed it, and must not take the phase below its base
-                made = min(made, max(0, xp[key]))
-                xp[key] += int(made * grad_factor) - made
+                # a category extrapolated in depth from traces whose peaks fall at different
+                # moments (2 blocks: the start of backward, 3: after the head's gradient) can
+                # exceed the phase's own excess: it must not take the phase below its base
+                rest = xp[key] + int(made * grad_factor) - made
+                xp[key] = max(0, rest) if xp[key] >= 0 else rest
     G_acc = rs.gradients if rs.accum_gradients is None else rs.accum_gradients
     if stage == "train":
         phases = _train_phases(ex, xp, rs)
