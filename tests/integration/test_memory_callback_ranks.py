@@ -57,8 +57,14 @@ WORKER = textwrap.dedent("""
         json.dump({"world": args.world_size, "log_history": trainer.state.log_history,
                    "calls": calls, "timeline": cb.timeline}, f)
     # close gloo before the interpreter exits: its threads otherwise meet exit joinable and a
-    # rank aborts ("terminate called without an active exception") after training succeeded
+    # rank aborts ("terminate called without an active exception") after training succeeded.
+    # The DDP wrapper the Trainer built still holds the group, so its C++ side can outlive
+    # destroy_process_group and be torn down during interpreter finalization, which aborted
+    # rank 1 once in CI; this worker's results are on disk, so it leaves without finalizing.
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(0)
 """)
 
 
