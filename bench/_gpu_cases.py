@@ -31,7 +31,10 @@ MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "hf_memkit" / "model_confi
 
 FAMILIES = ("llama", "qwen2", "gpt2", "bert-cls", "t5")
 PRECISIONS = ("fp32", "amp_bf16", "amp_fp16", "pure_bf16")
-METHODS = ("full", "lora", "qlora")
+METHODS = ("full", "lora", "qlora", "lora_8bit")
+# methods whose base is quantized by bitsandbytes at load (from_pretrained with a
+# BitsAndBytesConfig): QLoRA's 4-bit NF4, LoRA on an 8-bit (LLM.int8) base
+QUANTIZED = ("qlora", "lora_8bit")
 STAGES = ("train", "forward_backward")
 # transformers.Trainer, trl.SFTTrainer, trl.DPOTrainer, trl.GRPOTrainer (its own generate)
 TRAINERS = ("trainer", "sft", "dpo", "grpo")
@@ -40,7 +43,8 @@ TRAINERS = ("trainer", "sft", "dpo", "grpo")
 LOADS = ("config", "pretrained")
 # optimizer each method/optim needs beyond torch + transformers (+ peft for LoRA)
 OPTIM_NEEDS = {"adamw_bnb_8bit": ("bitsandbytes",)}
-METHOD_NEEDS = {"full": (), "lora": ("peft",), "qlora": ("peft", "bitsandbytes")}
+METHOD_NEEDS = {"full": (), "lora": ("peft",), "qlora": ("peft", "bitsandbytes"),
+                "lora_8bit": ("peft", "bitsandbytes")}
 TRAINER_NEEDS = {"trainer": (), "sft": ("trl",), "dpo": ("trl",), "grpo": ("trl",)}
 LIGER_NEEDS = ("liger_kernel",)
 # TrainingArguments fields of each precision; pure_bf16 loads the weights in bf16 instead
@@ -174,6 +178,9 @@ class Case:
                 "each probe a child process capped with torch.cuda.set_per_process_memory_"
                 "fraction, bisected between bounds from the estimate (bench/_gpu_bisect.py); "
                 "recorded next to the estimate's `required`."})
+    alloc_conf: str | None = field(default=None, metadata={
+        "help": "PYTORCH_CUDA_ALLOC_CONF of the case's processes (measured run, probes and the "
+                "estimate, which reads it), e.g. 'expandable_segments:True'; None: unset."})
     load: str = field(default="config", metadata={
         "help": "One of LOADS: 'config' builds the random model on the device (from_config); "
                 "'pretrained' saves it to a temporary folder and loads it with "
@@ -208,8 +215,9 @@ class Case:
             problems.append("liger is a Trainer argument (use_liger_kernel): it needs stage train")
         if self.load not in LOADS:
             problems.append(f"load `{self.load}` not in {LOADS}")
-        elif self.load == "pretrained" and self.method == "qlora":
-            problems.append("a qlora case loads with from_pretrained already: keep load 'config'")
+        elif self.load == "pretrained" and self.method in QUANTIZED:
+            problems.append(f"a {self.method} case loads with from_pretrained already: keep "
+                            "load 'config'")
         problems += [why for bad, why in (
             (self.bisect and self.at_required,
              "bisect searches the capacity that at_required fixes: not both"),
@@ -258,6 +266,9 @@ class Case:
             parts.append("bisect")
         if self.load != "config":
             parts.append(self.load)
+        if self.alloc_conf:
+            parts.append(self.alloc_conf.replace("_segments:True", "").replace(":", "-")
+                         .replace(",", "+").replace("_", "-"))
         shape = f"b{self.batch}s{self.seq_len}" + (f"t{self.target_len}" if self.target_len else "") \
             + (f"c{self.completion_len}" if self.completion_len else "")
         return ".".join([*parts, shape])
@@ -273,7 +284,7 @@ class Case:
                 "target": self.target_len or "-", "stage": self.stage, "steps": self.steps,
                 "liger": "on" if self.liger else "off",
                 "trl_offload": "on" if self.trl_offload else "off", "load": self.load,
-                "bisect": "on" if self.bisect else "off",
+                "bisect": "on" if self.bisect else "off", "alloc_conf": self.alloc_conf or "-",
                 "attn_dropout": MODELS[self.model].attention_dropout(),
                 "needs": ",".join(self.needs) or "-"}
 
@@ -293,7 +304,8 @@ class Case:
 
     def quantization(self) -> dict[str, Any] | None:
         """BitsAndBytesConfig kwargs (dtype as a name) of a QLoRA case, else None."""
-        return dict(NF4) if self.method == "qlora" else None
+        return dict(NF4) if self.method == "qlora" else {"load_in_8bit": True} \
+            if self.method == "lora_8bit" else None
 
 
 def _c(model: str, precision: str, optim: str = "adamw_torch", **kw: Any) -> Case:
@@ -341,6 +353,10 @@ CASES: tuple[Case, ...] = (
     _c("llama-160m", "fp32", "adamw_bnb_8bit"),
     _c("llama-160m", "amp_bf16", batch=8, method="qlora"),
     _c("llama-160m", "amp_bf16", batch=8, ckpt=True, method="qlora"),
+    # QLoRA on the GQA / 152k-vocabulary Qwen2; LoRA on an 8-bit (LLM.int8) base, both families
+    _c("qwen2-0.5b", "amp_bf16", ckpt=True, method="qlora"),
+    _c("llama-160m", "amp_bf16", batch=8, method="lora_8bit"),
+    _c("qwen2-0.5b", "amp_bf16", ckpt=True, method="lora_8bit"),
     # Llama-3.2-1B (1.24 B)
     _c("llama-1.2b", "amp_bf16", "adamw_torch_fused", ckpt=True),
     _c("llama-1.2b", "pure_bf16", batch=2),
@@ -407,6 +423,12 @@ CASES: tuple[Case, ...] = (
     _c("llama-1.2b", "amp_bf16", ckpt=True, method="lora", batch=1, seq_len=16384),
     _c("llama-1.2b", "amp_bf16", ckpt=True, method="lora", batch=1, seq_len=16384,
        at_required=True),
+    # expandable segments on, for steps measured above with them off: the allocator maps pages
+    # into one growing segment per stream and pool instead of cudaMalloc'ing blocks, so reserved
+    # should sit near allocated; the second is the 28%-fragmented Adafactor step
+    _c("llama-160m", "amp_bf16", "adamw_torch_fused", batch=8, ckpt=True,
+       alloc_conf="expandable_segments:True"),
+    _c("qwen2-0.5b", "pure_bf16", "adafactor", alloc_conf="expandable_segments:True"),
     # issue #25: the model saved, then loaded as users load it, from_pretrained(dir,
     # device_map="cuda"): transformers' caching_allocator_warmup reserves a model-sized block
     # first; reserved vs allocated after the load, then the same training
@@ -415,8 +437,30 @@ CASES: tuple[Case, ...] = (
 )
 
 
-def select(only: list[str] | None = None) -> list[Case]:
-    """Cases whose id contains any of ``only`` (all when empty), in matrix order."""
-    if not only:
-        return list(CASES)
-    return [c for c in CASES if any(s in c.id for s in only)]
+# What a lease should measure first: the answers we lack most (issue 43). A run cut by its
+# deadline keeps the head of this order. Each entry: (name, test); a case takes the first
+# group whose test it passes; the rest keep matrix order within their group.
+PRIORITY: tuple[tuple[str, Any], ...] = (
+    ("smallest capacity", lambda c: c.bisect or c.at_required),
+    ("bitsandbytes", lambda c: "bitsandbytes" in c.needs),
+    ("TRL", lambda c: c.trainer != "trainer"),
+    ("Liger", lambda c: c.liger),
+    ("expandable segments", lambda c: bool(c.alloc_conf)),
+    ("long context / pretrained load", lambda c: c.seq_len >= 8192 or c.load != "config"),
+    ("the rest", lambda c: True),
+)
+
+
+def priority(case: Case) -> tuple[int, str]:
+    """(rank, name) of the first ``PRIORITY`` group ``case`` falls in."""
+    return next((i, name) for i, (name, test) in enumerate(PRIORITY) if test(case))
+
+
+def select(only: list[str] | None = None, *, order: str = "matrix") -> list[Case]:
+    """Cases whose id contains any of ``only`` (all when empty), in ``order``: ``"matrix"``
+    (as ``CASES`` lists them) or ``"priority"`` (``PRIORITY``'s groups, matrix order inside
+    each)."""
+    if order not in ("matrix", "priority"):
+        raise ValueError(f"order `{order}` is not 'matrix' or 'priority'")
+    cases = [c for c in CASES if not only or any(s in c.id for s in only)]
+    return sorted(cases, key=lambda c: priority(c)[0]) if order == "priority" else cases

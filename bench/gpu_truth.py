@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -89,6 +90,7 @@ import tempfile
 import time
 import traceback
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +112,14 @@ from _gpu_bisect import (  # noqa: E402
     outside_allocator,
     search_bounds,
 )
-from _gpu_cases import MODELS, PRECISION_ARGS, Case, select  # noqa: E402
+from _gpu_cases import (  # noqa: E402
+    MODELS,
+    PRECISION_ARGS,
+    QUANTIZED,
+    Case,
+    priority,
+    select,
+)
 from _gpu_facts import (  # noqa: E402
     case_flags,
     is_oom,
@@ -317,7 +326,7 @@ def model_config(case: Case, smoke: bool) -> Any:
 def weights_dtype(case: Case) -> Any:
     import torch
 
-    return torch.bfloat16 if case.precision == "pure_bf16" or case.method == "qlora" \
+    return torch.bfloat16 if case.precision == "pure_bf16" or case.method in QUANTIZED \
         else torch.float32
 
 
@@ -339,14 +348,16 @@ def _from_pretrained(auto: Any, workdir: str, stats: CudaStats, **kwargs: Any
 
 def _quantized(case: Case, config: Any, auto: Any, kw: dict[str, Any], device: str,
                workdir: str, stats: CudaStats) -> tuple[Any, dict[str, Any]]:
-    """QLoRA as users load it: from_config rejects quantization_config, so save then load."""
+    """QLoRA / LoRA on an 8-bit base as users load it: from_config rejects
+    quantization_config, so save then load."""
     import peft
     import torch
     import transformers
 
     auto.from_config(config, dtype=weights_dtype(case), **kw).save_pretrained(workdir)
     q = case.quantization()
-    q["bnb_4bit_compute_dtype"] = getattr(torch, q["bnb_4bit_compute_dtype"])
+    if "bnb_4bit_compute_dtype" in q:
+        q["bnb_4bit_compute_dtype"] = getattr(torch, q["bnb_4bit_compute_dtype"])
     model, load = _from_pretrained(auto, workdir, stats, dtype=weights_dtype(case),
                                    quantization_config=transformers.BitsAndBytesConfig(**q),
                                    device_map={"": 0 if device == "cuda" else device}, **kw)
@@ -366,7 +377,7 @@ def build_model(case: Case, device: str, workdir: str, smoke: bool, stats: CudaS
     kw = {"attn_implementation": case.attn} if case.attn else {}
     torch.manual_seed(0)
     load = None
-    if case.method == "qlora":
+    if case.method in QUANTIZED:
         model, load = _quantized(case, config, auto, kw, device, workdir, stats)
     elif case.load == "pretrained":  # the CPU copy is saved, then freed before the load
         auto.from_config(config, dtype=weights_dtype(case), **kw).save_pretrained(workdir)
@@ -603,14 +614,32 @@ def estimate_kwargs(case: Case, smoke: bool) -> dict[str, Any]:
         import transformers
 
         q = case.quantization()
-        q["bnb_4bit_compute_dtype"] = getattr(torch, q["bnb_4bit_compute_dtype"])
+        if "bnb_4bit_compute_dtype" in q:
+            q["bnb_4bit_compute_dtype"] = getattr(torch, q["bnb_4bit_compute_dtype"])
         quant = transformers.BitsAndBytesConfig(**q)
     trainer = {"trainer": case.trainer} if case.trainer != "trainer" else {}
     return {"seq_len": case.seq_len, "stage": case.stage, "cuda_version": torch.version.cuda,
             "task": case.task, "target_len": case.target_len,
             "attn_implementation": case.attn,
-            "dtype": None if case.method == "qlora" else weights_dtype(case),
+            "dtype": None if case.method in QUANTIZED else weights_dtype(case),
             "peft_config": peft_config, "quantization_config": quant, **trainer}
+
+
+@contextlib.contextmanager
+def alloc_env(alloc_conf: str | None) -> Iterator[None]:
+    """``PYTORCH_CUDA_ALLOC_CONF`` as the case sets it while the block runs (the estimate reads
+    it from the environment): the measured run's child has it already; bench/gpu_reestimate.py,
+    re-estimating in one process, does not."""
+    keys = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    saved = {k: os.environ.pop(k) for k in keys if k in os.environ}
+    if alloc_conf:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+    try:
+        yield
+    finally:
+        for k in keys:
+            os.environ.pop(k, None)
+        os.environ.update(saved)
 
 
 def estimate(case: Case, smoke: bool, device: dict[str, Any] | None = None,
@@ -627,7 +656,7 @@ def estimate(case: Case, smoke: bool, device: dict[str, Any] | None = None,
 
         fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
         dev = mk.DeviceInfo.from_dict(device) if device is not None else mk.probe_device()
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, alloc_env(case.alloc_conf):
             warnings.simplefilter("always")
             kw = estimate_kwargs(case, smoke)
             if cuda_version is not None:
@@ -798,12 +827,13 @@ def probe(smoke: bool) -> None:
 # --------------------------------------------------------------------------------------------
 # parent: the matrix, the result file, the error table
 # --------------------------------------------------------------------------------------------
-def child_env(smoke: bool, *, pin: str | None = None, cache: str | None = None
-              ) -> dict[str, str]:
+def child_env(smoke: bool, *, pin: str | None = None, cache: str | None = None,
+              alloc_conf: str | None = None) -> dict[str, str]:
     """The child's environment: offline, quiet; ``CUDA_VISIBLE_DEVICES`` the one device ``pin``
     (a full UUID: one device, so the Trainer wraps nothing in nn.DataParallel), none in a CPU
     smoke run; ``HF_MEMKIT_CACHE`` the fresh folder ``cache`` (no stored calibration or trace of
-    the user's reaches the estimate)."""
+    the user's reaches the estimate); ``PYTORCH_CUDA_ALLOC_CONF`` the case's ``alloc_conf``
+    (unset when None: the allocator's defaults, whatever this process was started with)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]]
                                                        if env.get("PYTHONPATH") else []))
@@ -816,6 +846,10 @@ def child_env(smoke: bool, *, pin: str | None = None, cache: str | None = None
         env["CUDA_VISIBLE_DEVICES"] = pin
     if cache is not None:
         env["HF_MEMKIT_CACHE"] = cache
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    env.pop("PYTORCH_ALLOC_CONF", None)
+    if alloc_conf:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
     return env
 
 
@@ -835,16 +869,18 @@ def _as_text(b: bytes | str | None) -> str:
     return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 
 
-def run_child(flag: list[str], *, timeout: float, smoke: bool, pin: str | None = None
-              ) -> tuple[dict[str, Any], int | None, str, float]:
+def run_child(flag: list[str], *, timeout: float, smoke: bool, pin: str | None = None,
+              alloc_conf: str | None = None) -> tuple[dict[str, Any], int | None, str, float]:
     """(markers, returncode or None on timeout, stderr, seconds) of one child process, pinned to
-    the device ``pin``, with a calibration cache of its own (removed after it)."""
+    the device ``pin``, with a calibration cache of its own (removed after it) and the
+    allocator options ``alloc_conf`` (``child_env``)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), *flag] + (["--cpu-smoke"] if smoke
                                                                      else [])
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpu-truth-cache-") as cache:
         try:
-            p = subprocess.run(cmd, env=child_env(smoke, pin=pin, cache=cache),
+            p = subprocess.run(cmd, env=child_env(smoke, pin=pin, cache=cache,
+                                                  alloc_conf=alloc_conf),
                                capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
             stdout, stderr, rc = p.stdout, p.stderr, p.returncode
         except subprocess.TimeoutExpired as exc:  # its output is bytes whatever text= says
@@ -858,7 +894,8 @@ def estimate_ahead(case: Case, device: dict[str, Any], *, timeout: float, smoke:
     no CUDA context beside the measured run's), while other cases run."""
     parts, rc, stderr, _ = run_child(["--estimate-one", json.dumps(case.to_dict()),
                                       "--device-json", json.dumps(device)],
-                                     timeout=timeout, smoke=smoke, pin="")
+                                     timeout=timeout, smoke=smoke, pin="",
+                                     alloc_conf=case.alloc_conf)
     return parts.get("estimate") or {"error": f"the estimating process recorded no estimate "
                                               f"(returncode {rc}): {_error_line(stderr)}"}
 
@@ -876,7 +913,8 @@ def run_case(case: Case, *, timeout: float, smoke: bool = False,
             path.write_text(json.dumps(ready, default=_jsonable))
             flag += ["--estimate-file", str(path)]
         parts, rc, stderr, secs = run_child(flag, timeout=timeout, smoke=smoke,
-                                            pin=(pin or {}).get("cuda_visible_devices"))
+                                            pin=(pin or {}).get("cuda_visible_devices"),
+                                            alloc_conf=case.alloc_conf)
     oom = parts.get("oom")
     status = "ok" if "measured" in parts else "oom" if oom else "error"
     rec: dict[str, Any] = {"id": case.id, "family": case.family, "case": case.to_dict(),
@@ -913,7 +951,8 @@ def probe_capacity(case: Case, capacity: int, *, total: int, timeout: float, smo
     flag = ["--probe-one", json.dumps(case.to_dict()), "--capacity", str(capacity)]
     if fake_threshold is not None:
         flag += ["--fake-threshold", str(fake_threshold)]
-    parts, rc, stderr, secs = run_child(flag, timeout=timeout, smoke=smoke, pin=pin)
+    parts, rc, stderr, secs = run_child(flag, timeout=timeout, smoke=smoke, pin=pin,
+                                        alloc_conf=case.alloc_conf)
     m, oom = parts.get("measured"), parts.get("oom")
     outcome = (COMPLETED if m else OOM if oom else TIMEOUT if rc is None
                else OOM if any(t in stderr.lower() for t in OOM_TEXT) else ERROR)
@@ -1026,7 +1065,8 @@ def cuda_present() -> bool:
 def list_cases(cases: list[Case]) -> None:
     """The matrix, one case a line: id, then key=value settings."""
     for c in cases:
-        print(c.id + "  " + " ".join(f"{k}={v}" for k, v in c.settings().items()))
+        print(c.id + "  " + " ".join(f"{k}={v}" for k, v in c.settings().items())
+              + " priority=" + priority(c)[1].replace(" / ", "/").replace(" ", "-"))
     bnb = sum("bitsandbytes" in c.needs for c in cases)
     here = importlib.util.find_spec("bitsandbytes") is not None
     print(f"{len(cases)} cases; {bnb} need bitsandbytes and run only where it imports "
@@ -1083,6 +1123,43 @@ def probe_env(a: argparse.Namespace) -> tuple[dict[str, Any] | None, dict[str, A
     return env, pin
 
 
+class Deadline:
+    """``--deadline-s``: start a case only while the time it is expected to take still fits.
+
+    A case is expected to take as long as the longest of its kind so far (bisect cases apart:
+    one holds several probes), or ``FIRST_GUESS_S`` before any of its kind has run (an H200 ran
+    a case in 13-22 s, a bisect case in ~35 s). A case's own ``--timeout`` is cut to the time
+    left, so the last case cannot run past the deadline either."""
+
+    FIRST_GUESS_S = {"case": 20.0, "bisect": 40.0}
+
+    def __init__(self, seconds: float | None, t0: float) -> None:
+        self.seconds, self.t0 = seconds, t0
+        self.longest: dict[str, float] = {}
+
+    @staticmethod
+    def kind(case: Case) -> str:
+        return "bisect" if case.bisect else "case"
+
+    def left(self) -> float:
+        return float("inf") if self.seconds is None else \
+            self.seconds - (time.perf_counter() - self.t0)
+
+    def expected(self, case: Case) -> float:
+        k = self.kind(case)
+        return self.longest.get(k, self.FIRST_GUESS_S[k])
+
+    def allows(self, case: Case) -> bool:
+        return self.expected(case) <= self.left()
+
+    def took(self, case: Case, seconds: float) -> None:
+        k = self.kind(case)
+        self.longest[k] = max(self.longest.get(k, 0.0), seconds)
+
+    def timeout(self, per_case: float) -> float:
+        return max(1.0, min(per_case, self.left()))
+
+
 def run_matrix(cases: list[Case], a: argparse.Namespace) -> int:
     env, pin = probe_env(a)
     if env is None:
@@ -1113,19 +1190,31 @@ def run_matrix(cases: list[Case], a: argparse.Namespace) -> int:
         ahead = {c.id: pool.submit(estimate_ahead, c, env["device"], timeout=a.timeout,
                                    smoke=a.cpu_smoke)
                  for c in cases if not any(skip(c))}
+    clock = Deadline(a.deadline_s, t0)
+    doc["deadline_s"], doc["not_reached"] = a.deadline_s, []
     for i, case in enumerate(cases, 1):
         missing, why = skip(case)
+        if not (missing or why) and not clock.allows(case):
+            doc["not_reached"] = [c.id for c in cases[i - 1:]]
+            print(f"deadline: {clock.left():.0f} s left, too few to start {case.id} (about "
+                  f"{clock.expected(case):.0f} s); {len(doc['not_reached'])} cases not reached",
+                  flush=True)
+            break
         ready = ahead[case.id].result() if case.id in ahead else None
+        started_case = time.perf_counter()
         rec = (skipped_record(case, missing, reason=why) if missing or why
                else run_bisect_case(case, env, a, pin=pin, ready=ready) if case.bisect
-               else run_case(case, timeout=a.timeout, smoke=a.cpu_smoke, pin=pin, ready=ready))
+               else run_case(case, timeout=clock.timeout(a.timeout), smoke=a.cpu_smoke, pin=pin,
+                             ready=ready))
+        if not (missing or why):
+            clock.took(case, time.perf_counter() - started_case)
         doc["runs"].append(rec)
         doc["summary"], doc["elapsed_s"] = summarise(doc["runs"]), round(time.perf_counter() - t0)
         doc["bisect_summary"] = bisect_summary(doc["runs"])
         write_json(path, doc)
         print(progress_line(i, len(cases), rec), flush=True)
     if pool is not None:
-        pool.shutdown()
+        pool.shutdown(wait=False, cancel_futures=True)
     doc["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     write_json(path, doc)
     print_summary(doc["summary"])
@@ -1152,6 +1241,18 @@ def parser() -> argparse.ArgumentParser:
                     "child sees only it, by its UUID (default 0)")
     ap.add_argument("--list", action="store_true",
                     help="print the case matrix (id and settings) and exit; needs no GPU")
+    ap.add_argument("--deadline-s", type=float, default=None, metavar="N",
+                    help="start no case that would end past N seconds from the start (each "
+                    "case is expected to take as long as the longest of its kind so far); the "
+                    "file lists the cases not reached (default: no deadline)")
+    ap.add_argument("--resume", metavar="FILE",
+                    help="leave out the cases FILE (an earlier result file of this harness) "
+                    "holds a record of, whatever its status: the second command of a lease "
+                    "runs what the first did not reach, into a new file")
+    ap.add_argument("--order", choices=("priority", "matrix"), default="priority",
+                    help="priority (default): the answers we lack most first (smallest "
+                    "capacity, bitsandbytes, TRL, Liger, expandable segments, long context, "
+                    "the rest), so a deadline cuts the least informative; matrix: as listed")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="run the cases shrunk on the CPU: checks the plumbing, measures nothing")
     ap.add_argument("--estimate-workers", type=int, default=0, metavar="N",
@@ -1201,11 +1302,26 @@ def main(argv: list[str] | None = None) -> int:
     if a.probe:
         probe(a.cpu_smoke)
         return 0
-    cases = select(a.only or (list(QUICK) if a.quick else None))
+    if a.deadline_s is not None and a.deadline_s <= 0:
+        print(f"--deadline-s must be more than 0 seconds, got {a.deadline_s:g}; give the "
+              "seconds the whole run may take, e.g. --deadline-s 540")
+        return 2
+    cases = select(a.only or (list(QUICK) if a.quick else None), order=a.order)
+    if a.resume:
+        try:
+            done = {r["id"] for r in json.loads(Path(a.resume).read_text())["runs"]}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"--resume {a.resume}: not a result file of this harness ({exc}); give the "
+                  "JSON file an earlier run wrote")
+            return 2
+        cases = [c for c in cases if c.id not in done]
     guard(a.quick and not a.list, a.out, "--out")
     a.out = a.out or str(DEFAULT_OUT)
     if a.list:
         list_cases(cases)
+        return 0
+    if not cases and a.resume:
+        print(f"every selected case has a record in {a.resume}: nothing left to run")
         return 0
     if not cases:
         print(f"no case id contains any of {a.only}; see --list")

@@ -227,3 +227,30 @@ def test_estimates_made_ahead_equal_the_ones_each_case_makes(tmp_path):
 def test_a_negative_worker_count_is_refused_with_exit_2():
     p = _run("--estimate-workers", "-1", "--list")
     assert p.returncode == 2 and "--estimate-workers must be 0 or more, got -1" in p.stdout
+
+
+@pytest.mark.slow
+def test_a_deadline_stops_starting_cases_and_keeps_what_ran(tmp_path):
+    """``--deadline-s``: six shrunk cases of several seconds each on this CPU cannot all run in
+    30 s. The run starts no case it expects to end past the deadline, cuts the last one's
+    timeout to the time left, and its file lists what ran, in priority order, and what it did
+    not reach."""
+    only = ["llama-160m.fp32.fwd-bwd.", "gpt2-124m.fp32.adamw_torch.sdpa.b8",
+            "llama-160m.fp32.adamw_torch.sdpa.b4", "bert-base-cls.fp32.adamw_torch.sdpa.b32",
+            "qwen2-0.5b.pure_bf16.fwd-bwd.", "llama-160m.amp_bf16.sft.adamw_torch.sdpa.b4"]
+    out = tmp_path / "out"
+    args = ["--cpu-smoke", "--out", str(out), "--deadline-s", "30"]
+    p = _run(*args, *[a for o in only for a in ("--only", o)], timeout=600)
+    assert p.returncode in (0, 1), p.stdout + p.stderr
+    (f,) = out.glob("*.json")
+    doc = json.loads(f.read_text())
+    selected = doc["cases_selected"]
+    assert len(selected) >= len(only) and doc["deadline_s"] == 30
+    ran = [r["id"] for r in doc["runs"]]
+    assert ran and doc["not_reached"] and ran + doc["not_reached"] == selected
+    assert "cases not reached" in p.stdout
+    # the TRL case is ahead of the plain ones, whatever --only's order
+    assert selected[0].startswith("llama-160m.amp_bf16.sft.")
+    assert doc["elapsed_s"] <= 30 + 3, doc["elapsed_s"]
+    assert all(r["status"] in ("ok", "timeout") for r in doc["runs"]), \
+        [(r["id"], r["status"], r.get("error")) for r in doc["runs"]]

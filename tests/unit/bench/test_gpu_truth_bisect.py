@@ -204,7 +204,7 @@ def _fake_child(t: int, context: int = 500 * MiB, errors: dict | None = None):
     (returncode, stderr) of a child that dies without a record."""
     seen = []
 
-    def run_child(flag, *, timeout, smoke, pin=None):
+    def run_child(flag, *, timeout, smoke, pin=None, alloc_conf=None):
         cap = int(flag[flag.index("--capacity") + 1])
         seen.append((cap, flag, pin))
         if errors and cap in errors:
