@@ -359,8 +359,9 @@ def pin_device(index: int = 0, get_properties: Callable[[int], Any] | None = Non
         nvml_uuid = None
     finally:
         reader.close()
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-               if v.strip()]
+    from hf_memkit._device.nvml import visible_entries  # torch's reading of the variable
+
+    visible = visible_entries(os.environ.get("CUDA_VISIBLE_DEVICES")) or []
     uuid = nvml_uuid or next(iter(nvml_uuids(ids)), None)
     if nvml_uuid:
         by = f"uuid (NVML's, of the device found by {reader.mapping['by']})"

@@ -134,6 +134,27 @@ def _check_fresh(index: int) -> None:
                             "tensor exists (`hf-memkit calibrate` starts one)")
 
 
+def start_nvml(pynvml: Any) -> None:
+    """``nvmlInit``, or an ``HfMemkitError`` naming why NVML cannot start (the driver's
+    ``libnvidia-ml.so.1`` not found: ``NVMLError_LibraryNotFound``) instead of NVML's own.
+
+    Args:
+        pynvml: the ``pynvml`` module.
+
+    Raises:
+        HfMemkitError: NVML did not start; the message says why and what to check.
+    """
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        raise HfMemkitError(f"NVML did not start ({type(exc).__name__}: {exc}): the NVIDIA "
+                            "driver's libnvidia-ml.so.1 is missing or failed to load (in a "
+                            "container, start it with the NVIDIA runtime, e.g. `--gpus`); "
+                            "calibration measures the CUDA context through NVML. Check the "
+                            "driver with `nvidia-smi`, or skip calibration (estimates use the "
+                            "uncalibrated band)") from None
+
+
 def measure_calibration(index: int = 0) -> Calibration:
     """Measure CUDA device ``index`` (CUDA only; call it in a fresh process).
 
@@ -149,7 +170,8 @@ def measure_calibration(index: int = 0) -> Calibration:
        peaks of steps 2..3: ``reserved_over_allocated``; then, after ``synchronize``,
        ``context`` = what this process holds - ``memory_reserved``.
 
-    NVML refusing to read the device (``NVMLError``) is an ``HfMemkitError`` naming the cause.
+    NVML refusing to start (no driver library) or to read the device (``NVMLError``) is an
+    ``HfMemkitError`` naming the cause.
     """
     import torch
 
@@ -160,7 +182,7 @@ def measure_calibration(index: int = 0) -> Calibration:
 
     _check_fresh(index)
     pynvml = require("pynvml", "calibration (NVML readings of the CUDA context)")
-    pynvml.nvmlInit()
+    start_nvml(pynvml)
     try:
         handle = nvml_handle(pynvml, index)   # a MIG instance's own handle: no root needed
         _warn_other_processes(pynvml, handle)

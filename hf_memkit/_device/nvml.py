@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,21 +104,35 @@ def _text(value: Any) -> str:
 
 def processes(pynvml: Any, handle: Any, *, raises: bool = False) -> dict[int, int | None] | None:
     """Bytes by pid of every compute and graphics process on the device (a process in both
-    lists holds one amount: the larger), or None when NVML does not list them (MIG without
-    root, some drivers); ``raises``: NVML's error instead of None."""
+    lists holds one amount: the larger). A list NVML refuses (the graphics list is
+    ``NVMLError_NotSupported`` on some GPUs and containers) leaves out only its own entries.
+
+    Args:
+        pynvml: the ``pynvml`` module, NVML initialised.
+        handle: the device's NVML handle.
+        raises: when neither list is read, raise the compute query's NVML error.
+
+    Returns:
+        Bytes by pid (None: NVML would not say); None when neither list is read (MIG without
+        root, some drivers) and ``raises`` is false.
+    """
     held: dict[int, int | None] = {}
+    errors: list[BaseException] = []
     for name in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
         try:
             procs = getattr(pynvml, name)(handle)
         except Exception as exc:
-            if raises:
-                raise
             logger.debug("NVML %s failed: %s", name, exc)
-            return None
+            errors.append(exc)
+            continue
         for p in procs:
             used = getattr(p, "usedGpuMemory", None)
             old = held.get(int(p.pid))
             held[int(p.pid)] = used if old is None else max(old, used or 0)
+    if len(errors) == 2:
+        if raises:
+            raise errors[0]
+        return None
     return held
 
 
@@ -170,6 +185,37 @@ def own_used(pynvml: Any, handle: Any, baseline: int) -> int:
     return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used) - int(baseline)
 
 
+def visible_entries(value: str | None) -> list[str] | None:
+    """The entries of a ``CUDA_VISIBLE_DEVICES`` value that name devices, read as torch's
+    ``torch.cuda._parse_visible_devices`` reads them: the first entry's kind (``GPU-``,
+    ``MIG-`` or an integer, ``strtoul``-style: ``1gpu`` is ``1``) is the list's; the first
+    entry of another kind, or a negative or non-numeric one, ends the list; a repeated entry
+    empties it. UUID entries are kept as written (torch does not strip them); whether a UUID
+    prefix is unique or names a device is NVML's to say, not this function's.
+
+    Args:
+        value: the variable's value; None when it is unset.
+
+    Returns:
+        The entries in order (integers as ``str(int)``), or None when ``value`` is None (every
+        device is visible).
+    """
+    if value is None:
+        return None
+    prefix = next((p for p in ("GPU-", "MIG-") if value.startswith(p)), None)
+    entries: list[str] = []
+    for elem in value.split(","):
+        if prefix is None:
+            digits = re.match(r"[+-]?\d+", elem.strip())
+            elem = str(int(digits.group())) if digits else "-1"
+        if elem in entries:
+            return []
+        if not elem.startswith(prefix or "") or elem.startswith("-"):
+            break
+        entries.append(elem)
+    return entries
+
+
 def pinned_entry(index: int) -> str:
     """A ``CUDA_VISIBLE_DEVICES`` value naming CUDA device ``index`` of this process and no
     other, for a child process: its full UUID (``GPU-...`` or, for a MIG instance, ``MIG-...``),
@@ -189,6 +235,5 @@ def pinned_entry(index: int) -> str:
         except Exception:   # no NVML: a MIG instance is not told apart; its GPU- form fails
             pass
         return prefix + uuid
-    entries = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-               if v.strip()]
+    entries = visible_entries(os.environ.get("CUDA_VISIBLE_DEVICES")) or []
     return entries[index] if index < len(entries) else str(index)

@@ -16,7 +16,7 @@ import psutil
 
 from .._errors import HfMemkitError, excerpt
 from .catalog import GpuSpec, catalog, lookup
-from .nvml import NvmlFacts, nvml_handle, query  # noqa: F401  (nvml_handle: callers import it here)
+from .nvml import NvmlFacts, nvml_handle, query, visible_entries  # noqa: F401  (nvml_handle: callers import it here)
 
 logger = logging.getLogger(__name__)
 
@@ -243,14 +243,14 @@ def pin_one_device(environ: Any = None) -> str | None:
     """Keep a one-process run on one GPU: outside torchrun (no ``WORLD_SIZE`` above 1), set
     ``CUDA_VISIBLE_DEVICES`` to its first entry, or to ``0`` (CUDA's first device) when unset,
     so that transformers does not wrap the model in ``nn.DataParallel`` over every GPU it sees.
-    Call before CUDA is initialised (CUDA reads the variable once). Returns the value set, or
-    None when nothing changed."""
+    The variable is read as torch reads it (``nvml.visible_entries``): a value that shows one
+    device or none is left as it is. Call before CUDA is initialised (CUDA reads the variable
+    once). Returns the value set, or None when nothing changed."""
     env = os.environ if environ is None else environ
     if int(env.get("WORLD_SIZE", "1") or 1) > 1:
         return None
-    current = env.get("CUDA_VISIBLE_DEVICES")
-    entries = [e.strip() for e in (current or "").split(",") if e.strip()]
-    if current is not None and len(entries) <= 1:
+    entries = visible_entries(env.get("CUDA_VISIBLE_DEVICES"))   # torch's reading of it
+    if entries is not None and len(entries) <= 1:
         return None
     env["CUDA_VISIBLE_DEVICES"] = entries[0] if entries else "0"
     return env["CUDA_VISIBLE_DEVICES"]

@@ -211,7 +211,7 @@ def measure_check(setup: CheckSetup) -> dict[str, Any]:
     from transformers import Trainer, TrainingArguments
 
     from .._compat import require
-    from .._device.measure import reference_config
+    from .._device.measure import reference_config, start_nvml
     from .._device.nvml import nvml_handle
     from .._device.probe import probe_device
     from .._estimate import estimate_memory
@@ -226,7 +226,7 @@ def measure_check(setup: CheckSetup) -> dict[str, Any]:
     model = model_from_config(config, "causal-lm", device="cpu", dtype=torch.float32)
     data = SyntheticTextDataset(vocab_size=config.vocab_size, seq_len=setup.seq_len,
                                 num_samples=setup.batch * CHECK_STEPS)
-    pynvml.nvmlInit()
+    start_nvml(pynvml)
     try:
         handle = nvml_handle(pynvml, 0)   # no CUDA context yet: used is the baseline
         baseline = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)

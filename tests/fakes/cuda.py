@@ -2,11 +2,14 @@
 
 ``install_cuda(machine, monkeypatch)`` replaces the ``torch.cuda`` functions CUDA-only code
 calls. The rules (see ``tests.fakes.machine``): CUDA's device order (FASTEST_FIRST unless
-``CUDA_DEVICE_ORDER=PCI_BUS_ID``), ``CUDA_VISIBLE_DEVICES`` parsed as the driver parses it
-(integers index CUDA's order, unique ``GPU-``/``MIG-`` prefixes, the first invalid entry ends
-the list, a repeat empties it), a MIG GPU seen as its first instance unless one is named,
-``get_device_properties`` without a context, ``mem_get_info`` / ``set_device`` /
-``synchronize`` / allocations creating one on that device that NVML then counts. A torch build
+``CUDA_DEVICE_ORDER=PCI_BUS_ID``), ``CUDA_VISIBLE_DEVICES`` parsed as torch's
+``_parse_visible_devices`` parses it (the first entry's kind, integer or ``GPU-``/``MIG-``,
+is the list's kind; integers index CUDA's order, UUIDs may be unique prefixes; the first entry
+of another kind, invalid or negative, ends the list; a repeat empties it), a MIG GPU seen as
+its first instance unless one is named and one MIG device per process at most,
+``get_device_properties`` without a context, ``mem_get_info`` / ``synchronize`` / allocations
+creating one on that device that NVML then counts, and ``set_device`` creating one only when
+the device is not already current (``c10::cuda::SetDevice`` skips ``cudaSetDevice`` then). A torch build
 whose device properties lack fields (``install_cuda(..., missing_properties=("uuid",))``) is
 answered without those attributes, as ``getattr(props, "uuid", None)`` then sees. Per-process
 state (current device, the allocator's counters) belongs to ``machine.this``, so
@@ -25,13 +28,48 @@ from .machine import Gpu, Machine, Mig
 
 
 def _strtoul(s: str) -> int:
+    """torch's ``_strtoul``: the integer ``s`` starts with (a sign allowed), else -1."""
     m = re.match(r"[+-]?\d+", s)
     return int(m.group()) if m else -1
+
+
+def _visible_entries(var: str) -> list[str] | list[int]:
+    """``CUDA_VISIBLE_DEVICES`` split as torch's ``_parse_visible_devices`` splits it: the first
+    entry's kind (``GPU-``, ``MIG-`` or an integer) is the list's kind and the first entry of
+    another kind (or a negative/non-numeric one) ends it; a repeated entry empties it. UUID
+    entries are kept as written (no strip); integers are read like ``strtoul`` (``1gpu`` is 1)."""
+    entries: list = []
+    prefix = next((p for p in ("GPU-", "MIG-") if var.startswith(p)), None)
+    for elem in var.split(","):
+        value = elem if prefix else _strtoul(elem.strip())
+        if value in entries:
+            return []
+        if (prefix and not elem.startswith(prefix)) or (not prefix and value < 0):
+            break
+        entries.append(value)
+    return entries
 
 
 def _by_prefix(candidate: str, targets: list[Gpu | Mig]) -> Gpu | Mig | None:
     found = [t for t in targets if t.uuid.startswith(candidate)]
     return found[0] if len(found) == 1 else None
+
+
+def _resolve(machine: Machine, ordered: list[Gpu | Mig], entry: str | int) -> Gpu | Mig | None:
+    """The device an entry names: an integer indexes CUDA's order; a UUID (prefix) names a
+    GPU (a GPU in MIG mode: its first instance) or a MIG instance."""
+    if isinstance(entry, int):
+        return ordered[entry] if entry < len(ordered) else None
+    pool = machine.gpus if entry.startswith("GPU-") else [m for g in machine.gpus for m in g.migs]
+    t = _by_prefix(entry, pool)
+    return t.migs[0] if isinstance(t, Gpu) and t.migs else t
+
+
+def _one_mig(devices: list[Gpu | Mig]) -> list[Gpu | Mig]:
+    """A CUDA process enumerates one MIG device at most (the first it reaches): CUDA cannot use
+    more than one MIG instance per process, however many are created or named."""
+    migs = [d for d in devices if isinstance(d, Mig)]
+    return [d for d in devices if not isinstance(d, Mig) or d is migs[0]]
 
 
 def enumerate_devices(machine: Machine, env: dict[str, str] | None = None) -> list[Gpu | Mig]:
@@ -43,25 +81,16 @@ def enumerate_devices(machine: Machine, env: dict[str, str] | None = None) -> li
     ordered = [g.migs[0] if g.migs else g for g in gpus]
     var = env.get("CUDA_VISIBLE_DEVICES")
     if var is None:
-        return ordered
+        return _one_mig(ordered)
     seen: list[Gpu | Mig] = []
-    for entry in var.split(","):
-        entry = entry.strip()
-        if entry.startswith(("GPU-", "MIG-")):
-            pool = machine.gpus if entry.startswith("GPU-") else [
-                m for g in machine.gpus for m in g.migs]
-            t = _by_prefix(entry, pool)
-            if isinstance(t, Gpu) and t.migs:
-                t = t.migs[0]
-        else:
-            i = _strtoul(entry)
-            t = ordered[i] if 0 <= i < len(ordered) else None
-        if t is None:
+    for entry in _visible_entries(var):
+        t = _resolve(machine, ordered, entry)
+        if t is None:        # unknown, ambiguous or past the last device: the list ends
             break
-        if t in seen:
+        if t in seen:        # two entries naming one device (two prefixes of one UUID)
             return []
         seen.append(t)
-    return seen
+    return _one_mig(seen)
 
 
 class UUID:
@@ -118,9 +147,18 @@ class FakeCuda:
         return self.machine.this.current_device
 
     def set_device(self, device) -> None:
+        """``torch.cuda.set_device``: a negative index does nothing; else CUDA is initialised
+        and ``c10::cuda::SetDevice(index, force=false)`` calls ``cudaSetDevice`` (which makes
+        the device's primary context under CUDA 12) only when ``index`` is not current."""
+        index = self.index(device)
+        if index < 0:
+            return
         self.initialized = True
-        self.machine.this.current_device = self.index(device)
-        self.machine.open_context(self.target().uuid)   # cudaSetDevice makes the context (12.x)
+        if index == self.machine.this.current_device:
+            return
+        self.target(index)                                   # an invalid ordinal raises
+        self.machine.this.current_device = index
+        self.machine.open_context(self.target().uuid)
 
     def get_device_properties(self, device=None):
         self.initialized = True

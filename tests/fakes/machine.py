@@ -8,11 +8,15 @@ Nothing here is shaped by hf_memkit. Two views read one ``Machine``, each with i
 - NVML numbers GPUs in PCI bus order and ignores ``CUDA_VISIBLE_DEVICES``.
 - CUDA numbers them FASTEST_FIRST unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; the integers in
   ``CUDA_VISIBLE_DEVICES`` index CUDA's order; ``GPU-``/``MIG-`` entries may be unique UUID
-  prefixes; the first invalid entry ends the list and a repeated one empties it (torch's
-  ``_parse_visible_devices`` / ``_transform_uuid_to_ordinals`` follow the driver).
+  prefixes; the first entry's kind (integer, ``GPU-``, ``MIG-``) is the list's, and the first
+  entry of another kind, or invalid, ends the list; a repeated one empties it (torch's
+  ``_parse_visible_devices`` / ``_transform_uuid_to_ordinals``).
+- A CUDA process enumerates one MIG device at most (the first it reaches), however many MIG
+  instances exist or ``CUDA_VISIBLE_DEVICES`` names (NVIDIA's MIG user guide).
 - A CUDA context is created on a device by the first call that needs one (``mem_get_info``,
-  ``set_device`` under CUDA 12, any allocation), not by ``get_device_properties``; NVML then
-  counts it in the device's ``used``.
+  any allocation, ``set_device`` to a device that is not already current under CUDA 12), not
+  by ``get_device_properties`` nor ``set_device`` to the current device; NVML then counts it
+  in the device's ``used``.
 - NVML v1 ``used`` = total - free, the driver's own reservation included; v2 reports that
   reservation apart. CUDA's ``totalGlobalMem`` leaves the reservation out.
 - On a GPU in MIG mode, the parent's memory info and process list need root

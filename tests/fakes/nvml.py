@@ -36,7 +36,8 @@ NOT_IN_MIG = 0xFFFFFFFF       # gpuInstanceId / computeInstanceId of a process o
 NOT_AVAILABLE = 2**64 - 1     # NVML_VALUE_NOT_AVAILABLE (unsigned long long)
 LIBRARY = "libnvidia-ml.so.1"
 NO_LIBRARY = f"{LIBRARY}: cannot open shared object file: No such file or directory"
-INIT = ("nvmlInitWithFlags", "nvmlInit_v2", "nvmlErrorString")   # callable before an init
+INIT = ("nvmlInitWithFlags", "nvmlInit_v2", "nvmlInit",          # callable before an init
+        "nvmlErrorString")
 REAL_CDLL = ctypes.CDLL
 
 
@@ -131,6 +132,9 @@ class FakeLib:
         return S
 
     def _nvmlInit_v2(self):            # = nvmlInitWithFlags(0)
+        return self._nvmlInitWithFlags(0)
+
+    def _nvmlInit(self):               # the v1 symbol, still exported: what torch.cuda calls
         return self._nvmlInitWithFlags(0)
 
     def _nvmlShutdown(self):

@@ -93,8 +93,10 @@ def test_list_covers_the_required_matrix():
     assert any(r["method"] == "lora" and r["needs"] == "peft" for r in everywhere)
     bnb = [r for r in rows if BNB in r["needs"]]
     assert {"adamw_bnb_8bit"} <= {r["optim"] for r in bnb}
-    assert "qlora" in {r["method"] for r in bnb}
-    assert all(r["method"] == "qlora" or r["optim"] == "adamw_bnb_8bit" for r in bnb)
+    assert {"qlora", "lora_8bit"} <= {r["method"] for r in bnb}
+    assert {r["model"] for r in bnb if r["method"] != "full"} >= {"llama-160m", "qwen2-0.5b"}
+    assert all(r["method"] in ("qlora", "lora_8bit") or r["optim"] == "adamw_bnb_8bit"
+               for r in bnb)
     bert = [r for r in rows if r["family"] == "bert-cls"]
     assert all(r["task"] == "sequence-classification" and r["attn_dropout"] == "0.1"
                for r in bert)
@@ -559,11 +561,12 @@ def test_a_process_nvml_cannot_size_is_listed_with_none(gpus, front):
 
 def test_pin_is_the_full_uuid_of_the_chosen_device(gpus, monkeypatch):
     m = gpus()
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{A100_PREFIX},0")  # the A100, then the H100
+    parent = f"{A100_PREFIX},{H100_UUID[:32]}"  # the A100, then the H100 (one kind: UUIDs)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", parent)
     pin = _gpu_nvml.pin_device(1)
     assert pin["cuda_visible_devices"] == pin["uuid"] == H100_UUID
     assert pin["name"] == "NVIDIA H100 80GB HBM3" and pin["pinned_by"].startswith("uuid (NVML")
-    assert pin["parent_cuda_visible_devices"] == f"{A100_PREFIX},0"
+    assert pin["parent_cuda_visible_devices"] == parent
     env = gpu_truth.child_env(False, pin=pin["cuda_visible_devices"], cache="/tmp/x")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env["CUDA_VISIBLE_DEVICES"])
     assert [t.name for t in enumerate_devices(m)] == ["NVIDIA H100 80GB HBM3"]  # that one only

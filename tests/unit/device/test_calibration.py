@@ -131,8 +131,11 @@ def test_each_child_is_pinned_to_its_device_by_full_uuid(gpu_machine, monkeypatc
     m = gpu_machine([t4(0x07, 0), a100(0x41, 1), a100(0x81, 2, migs=[("3g.40gb", 40 * GiB)])])
     assert pinned_entry(0) == uuid_of(1)        # FASTEST_FIRST: the A100, not PCI's first
     assert pinned_entry(2) == uuid_of(0)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{uuid_of(0)[:32]},{mig_uuid_of(2, 0)[:24]}")
-    assert (pinned_entry(0), pinned_entry(1)) == (uuid_of(0), mig_uuid_of(2, 0))
+    # one list each: CUDA reads a GPU-,MIG- list as its GPU- entries only (torch's rules)
+    for prefix, full in ((uuid_of(0)[:32], uuid_of(0)),
+                         (mig_uuid_of(2, 0)[:24], mig_uuid_of(2, 0))):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", prefix)
+        assert pinned_entry(0) == full
     assert not m.this.context                   # and no CUDA context was made to find out
 
 
