@@ -178,6 +178,10 @@ class Case:
                 "each probe a child process capped with torch.cuda.set_per_process_memory_"
                 "fraction, bisected between bounds from the estimate (bench/_gpu_bisect.py); "
                 "recorded next to the estimate's `required`."})
+    row_lens: tuple[int, ...] | None = field(default=None, metadata={
+        "help": "SFT packing: rows of these lengths (cycled) packed by TRL's BFD into sequences "
+                "of seq_len tokens (SFTConfig packing=True, max_length=seq_len); the estimate "
+                "gets the rows' lengths, as users give them."})
     alloc_conf: str | None = field(default=None, metadata={
         "help": "PYTORCH_CUDA_ALLOC_CONF of the case's processes (measured run, probes and the "
                 "estimate, which reads it), e.g. 'expandable_segments:True'; None: unset."})
@@ -208,6 +212,10 @@ class Case:
         if (self.trainer == "grpo") != (self.completion_len is not None):
             problems.append("completion_len is GRPO's max_completion_length: give it with "
                             "trainer 'grpo' and only then")
+        if self.row_lens is not None and (self.trainer != "sft" or not self.row_lens
+                                          or max(self.row_lens) > self.seq_len):
+            problems.append("row_lens are SFT rows packed into seq_len tokens: trainer 'sft', "
+                            "each row at most seq_len")
         if self.trl_offload and self.trainer not in ("sft", "dpo"):
             problems.append("trl_offload is TRL's activation_offloading: it needs trainer "
                             "'sft' or 'dpo'")
@@ -256,6 +264,8 @@ class Case:
             parts.append("ckpt-offload" if self.offload else "ckpt")
         if self.trl_offload:
             parts.append("trl-offload")
+        if self.row_lens:
+            parts.append("packed-" + "-".join(map(str, self.row_lens)))
         if self.accum > 1:
             parts.append(f"acc{self.accum}")
         if self.steps != 3:
@@ -284,6 +294,7 @@ class Case:
                 "target": self.target_len or "-", "stage": self.stage, "steps": self.steps,
                 "liger": "on" if self.liger else "off",
                 "trl_offload": "on" if self.trl_offload else "off", "load": self.load,
+                "packing": "-".join(map(str, self.row_lens)) if self.row_lens else "off",
                 "bisect": "on" if self.bisect else "off", "alloc_conf": self.alloc_conf or "-",
                 "attn_dropout": MODELS[self.model].attention_dropout(),
                 "needs": ",".join(self.needs) or "-"}
@@ -293,7 +304,13 @@ class Case:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Case:
-        return cls(**d)
+        rows = d.get("row_lens")
+        return cls(**{**d, "row_lens": tuple(rows)} if rows is not None else d)
+
+    def rows(self, n: int) -> list[int]:
+        """The lengths of ``n`` rows: ``row_lens`` cycled, else ``seq_len`` each."""
+        lens = self.row_lens or (self.seq_len,)
+        return [lens[i % len(lens)] for i in range(n)]
 
     def lora(self) -> dict[str, Any] | None:
         """peft.LoraConfig kwargs of a LoRA / QLoRA case, else None."""
@@ -393,6 +410,8 @@ CASES: tuple[Case, ...] = (
     # offloading (saved activations in pinned host memory)
     _c("llama-160m", "amp_bf16", trainer="sft"),
     _c("llama-160m", "amp_bf16", trainer="sft", trl_offload=True),
+    # packing: rows of 700 / 300 / 520 / 180 tokens packed (BFD) into 1024-token sequences
+    _c("llama-160m", "amp_bf16", trainer="sft", row_lens=(700, 300, 520, 180)),
     _c("llama-160m", "amp_bf16", trainer="sft", liger=True),
     _c("llama-160m", "amp_bf16", "adamw_torch_fused", batch=8, liger=True),
     _c("llama-160m", "amp_bf16", trainer="dpo", method="lora", seq_len=512),

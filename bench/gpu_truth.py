@@ -393,14 +393,22 @@ def build_model(case: Case, device: str, workdir: str, smoke: bool, stats: CudaS
     return model, load
 
 
+def n_rows(case: Case) -> int:
+    """Rows the run trains on: a micro-batch per forward for ``steps + 1`` steps; with SFT
+    packing, enough rows of the shortest length to fill as many packed sequences."""
+    n = case.batch * case.accum * (case.steps + 1)
+    return -(-n * case.seq_len // min(case.row_lens)) if case.row_lens else n
+
+
 def examples(case: Case, vocab: int, n: int) -> list[dict[str, Any]]:
-    """``n`` random-token examples of the case's length with the labels its task needs."""
+    """``n`` random-token examples of the case's lengths (``Case.rows``) with the labels its
+    task needs."""
     import torch
 
     g = torch.Generator().manual_seed(1)
     out = []
-    for _ in range(n):
-        ids = torch.randint(0, vocab, (case.seq_len,), generator=g)
+    for length in case.rows(n):
+        ids = torch.randint(0, vocab, (length,), generator=g)
         ex = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         if case.task == "causal-lm":
             ex["labels"] = ids.clone()
@@ -441,6 +449,8 @@ def memory_args(case: Case, fields: set[str] | dict[str, Any]) -> dict[str, Any]
              "num_generations": 4, "beta": 0.0}
     elif case.trainer != "trainer":  # DPO: the longest chosen / rejected row (prompt included)
         a = {"bf16": False, ckpt: False, **a, "max_length": case.seq_len}
+        if case.row_lens:  # SFT rows packed (BFD, TRL's default strategy) into max_length
+            a["packing"] = True
         if case.trl_offload:  # TRL's saved-activation offloading to pinned host memory
             a["activation_offloading"] = True
     return a
@@ -575,7 +585,7 @@ def measure(case: Case, nvml: Any, context: dict[str, Any], smoke: bool) -> dict
             model, load = build_model(case, device, workdir, smoke, stats)
             after_build = stats.snapshot()
             vocab = model_config(case, smoke).get_text_config().vocab_size
-            data = examples(case, vocab, case.batch * case.accum * (case.steps + 1))
+            data = examples(case, vocab, n_rows(case))
             window = Window(stats, nvml, case.steps)
             extra = (train(case, model, data, window, workdir, smoke) if case.stage == "train"
                      else forward_backward(case, model, data, window, device))
@@ -618,7 +628,10 @@ def estimate_kwargs(case: Case, smoke: bool) -> dict[str, Any]:
             q["bnb_4bit_compute_dtype"] = getattr(torch, q["bnb_4bit_compute_dtype"])
         quant = transformers.BitsAndBytesConfig(**q)
     trainer = {"trainer": case.trainer} if case.trainer != "trainer" else {}
-    return {"seq_len": case.seq_len, "stage": case.stage, "cuda_version": torch.version.cuda,
+    if case.row_lens:  # the rows describe the batch: lengths, not seq_len (estimate_memory)
+        trainer["lengths"] = case.rows(n_rows(case))
+    return {"seq_len": None if case.row_lens else case.seq_len, "stage": case.stage,
+            "cuda_version": torch.version.cuda,
             "task": case.task, "target_len": case.target_len,
             "attn_implementation": case.attn,
             "dtype": None if case.method in QUANTIZED else weights_dtype(case),
@@ -728,9 +741,12 @@ def shrunk(case: Case, smoke: bool) -> Case:
     """The case as it runs: shrunk on the CPU under ``--cpu-smoke``."""
     if not smoke:
         return case
+    rows = tuple(max(2, r * 32 // case.seq_len) for r in case.row_lens) if case.row_lens \
+        else None
     return dataclasses.replace(case, batch=min(case.batch, 2), seq_len=32,
                                target_len=16 if case.target_len else None,
-                               completion_len=16 if case.completion_len else None)
+                               completion_len=16 if case.completion_len else None,
+                               row_lens=rows)
 
 
 def run_one(case: Case, smoke: bool, ready: dict[str, Any] | None = None) -> None:

@@ -134,3 +134,29 @@ def test_resume_leaves_out_what_an_earlier_file_holds(tmp_path, capsys):
     first.write_text("{not json")
     assert gpu_truth.main(["--resume", str(first)]) == 2
     assert f"--resume {first}: not a result file" in capsys.readouterr().out
+
+
+def test_a_packed_sft_case_trains_packed_rows_and_estimates_from_their_lengths():
+    (case,) = [c for c in _gpu_cases.CASES if c.row_lens]
+    assert case.trainer == "sft" and ".packed-700-300-520-180." in case.id
+    again = Case.from_dict(json.loads(json.dumps(case.to_dict())))  # as the child gets it
+    assert again == case and isinstance(again.row_lens, tuple)
+    # enough rows of the shortest length to fill batch x accum x (steps + 1) sequences
+    n = gpu_truth.n_rows(case)
+    assert n == -(-case.batch * (case.steps + 1) * 1024 // 180) == 92
+    assert case.rows(6) == [700, 300, 520, 180, 700, 300]
+    assert gpu_truth.memory_args(case, {"max_length", "packing"})["packing"] is True
+    kw = gpu_truth.estimate_kwargs(case, False)
+    assert kw["seq_len"] is None and kw["lengths"] == case.rows(n) and kw["trainer"] == "sft"
+    small = gpu_truth.shrunk(case, True)
+    assert small.seq_len == 32 and max(small.row_lens) <= 32
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"row_lens": (100,)}, "trainer 'sft'"),
+    ({"trainer": "sft", "row_lens": (2000,)}, "each row at most seq_len"),
+    ({"trainer": "sft", "row_lens": ()}, "row_lens are SFT rows"),
+])
+def test_packing_needs_sft_rows_that_fit(kw, message):
+    with pytest.raises(ValueError, match=message):
+        Case("llama-160m", "amp_bf16", **kw)
