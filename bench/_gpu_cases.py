@@ -178,6 +178,10 @@ class Case:
                 "each probe a child process capped with torch.cuda.set_per_process_memory_"
                 "fraction, bisected between bounds from the estimate (bench/_gpu_bisect.py); "
                 "recorded next to the estimate's `required`."})
+    completion_only: int | None = field(default=None, metadata={
+        "help": "SFT: the last N tokens of each row are the completion (a completion_mask "
+                "column; completion_only_loss=True), the rest the prompt; the estimate gets "
+                "completion_len=N."})
     row_lens: tuple[int, ...] | None = field(default=None, metadata={
         "help": "SFT packing: rows of these lengths (cycled) packed by TRL's BFD into sequences "
                 "of seq_len tokens (SFTConfig packing=True, max_length=seq_len); the estimate "
@@ -209,16 +213,7 @@ class Case:
         elif self.trainer != "trainer" and (self.task != "causal-lm" or self.stage != "train"):
             problems.append(f"trainer `{self.trainer}` (TRL) trains causal LMs: task causal-lm, "
                             "stage train")
-        if (self.trainer == "grpo") != (self.completion_len is not None):
-            problems.append("completion_len is GRPO's max_completion_length: give it with "
-                            "trainer 'grpo' and only then")
-        if self.row_lens is not None and (self.trainer != "sft" or not self.row_lens
-                                          or max(self.row_lens) > self.seq_len):
-            problems.append("row_lens are SFT rows packed into seq_len tokens: trainer 'sft', "
-                            "each row at most seq_len")
-        if self.trl_offload and self.trainer not in ("sft", "dpo"):
-            problems.append("trl_offload is TRL's activation_offloading: it needs trainer "
-                            "'sft' or 'dpo'")
+        problems += self._trl_problems()
         if self.liger and self.stage != "train":
             problems.append("liger is a Trainer argument (use_liger_kernel): it needs stage train")
         if self.load not in LOADS:
@@ -233,6 +228,25 @@ class Case:
             if bad]
         if problems:
             raise ValueError(f"bad case {self}: " + "; ".join(problems))
+
+    def _trl_problems(self) -> list[str]:
+        """What is wrong with the case's TRL-only settings."""
+        problems: list[str] = []
+        if (self.trainer == "grpo") != (self.completion_len is not None):
+            problems.append("completion_len is GRPO's max_completion_length: give it with "
+                            "trainer 'grpo' and only then")
+        if self.row_lens is not None and (self.trainer != "sft" or not self.row_lens
+                                          or max(self.row_lens) > self.seq_len):
+            problems.append("row_lens are SFT rows packed into seq_len tokens: trainer 'sft', "
+                            "each row at most seq_len")
+        if self.completion_only is not None and (self.trainer != "sft"
+                                                 or not 0 < self.completion_only < self.seq_len):
+            problems.append("completion_only is the completion's share of an SFT row: trainer "
+                            "'sft', between 0 and seq_len tokens")
+        if self.trl_offload and self.trainer not in ("sft", "dpo"):
+            problems.append("trl_offload is TRL's activation_offloading: it needs trainer "
+                            "'sft' or 'dpo'")
+        return problems
 
     @property
     def family(self) -> str:
@@ -266,6 +280,8 @@ class Case:
             parts.append("trl-offload")
         if self.row_lens:
             parts.append("packed-" + "-".join(map(str, self.row_lens)))
+        if self.completion_only:
+            parts.append(f"completion{self.completion_only}")
         if self.accum > 1:
             parts.append(f"acc{self.accum}")
         if self.steps != 3:
@@ -295,6 +311,7 @@ class Case:
                 "liger": "on" if self.liger else "off",
                 "trl_offload": "on" if self.trl_offload else "off", "load": self.load,
                 "packing": "-".join(map(str, self.row_lens)) if self.row_lens else "off",
+                "completion_only": self.completion_only or "off",
                 "bisect": "on" if self.bisect else "off", "alloc_conf": self.alloc_conf or "-",
                 "attn_dropout": MODELS[self.model].attention_dropout(),
                 "needs": ",".join(self.needs) or "-"}
@@ -412,6 +429,8 @@ CASES: tuple[Case, ...] = (
     _c("llama-160m", "amp_bf16", trainer="sft", trl_offload=True),
     # packing: rows of 700 / 300 / 520 / 180 tokens packed (BFD) into 1024-token sequences
     _c("llama-160m", "amp_bf16", trainer="sft", row_lens=(700, 300, 520, 180)),
+    # completion-only loss: a 768-token prompt, a 256-token completion (TRL's head scores it)
+    _c("qwen2-0.5b", "amp_bf16", trainer="sft", completion_only=256),
     _c("llama-160m", "amp_bf16", trainer="sft", liger=True),
     _c("llama-160m", "amp_bf16", "adamw_torch_fused", batch=8, liger=True),
     _c("llama-160m", "amp_bf16", trainer="dpo", method="lora", seq_len=512),

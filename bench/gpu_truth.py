@@ -410,6 +410,8 @@ def examples(case: Case, vocab: int, n: int) -> list[dict[str, Any]]:
     for length in case.rows(n):
         ids = torch.randint(0, vocab, (length,), generator=g)
         ex = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if case.completion_only:  # SFT: the row's last tokens are the completion
+            ex["completion_mask"] = (torch.arange(length) >= length - case.completion_only).long()
         if case.task == "causal-lm":
             ex["labels"] = ids.clone()
         elif case.task == "seq2seq-lm":
@@ -451,6 +453,8 @@ def memory_args(case: Case, fields: set[str] | dict[str, Any]) -> dict[str, Any]
         a = {"bf16": False, ckpt: False, **a, "max_length": case.seq_len}
         if case.row_lens:  # SFT rows packed (BFD, TRL's default strategy) into max_length
             a["packing"] = True
+        if case.completion_only:  # the loss on the completion_mask's tokens alone
+            a["completion_only_loss"] = True
         if case.trl_offload:  # TRL's saved-activation offloading to pinned host memory
             a["activation_offloading"] = True
     return a
@@ -630,6 +634,8 @@ def estimate_kwargs(case: Case, smoke: bool) -> dict[str, Any]:
     trainer = {"trainer": case.trainer} if case.trainer != "trainer" else {}
     if case.row_lens:  # the rows describe the batch: lengths, not seq_len (estimate_memory)
         trainer["lengths"] = case.rows(n_rows(case))
+    if case.completion_only:
+        trainer["completion_len"] = case.completion_only
     return {"seq_len": None if case.row_lens else case.seq_len, "stage": case.stage,
             "cuda_version": torch.version.cuda,
             "task": case.task, "target_len": case.target_len,
@@ -746,6 +752,7 @@ def shrunk(case: Case, smoke: bool) -> Case:
     return dataclasses.replace(case, batch=min(case.batch, 2), seq_len=32,
                                target_len=16 if case.target_len else None,
                                completion_len=16 if case.completion_len else None,
+                               completion_only=8 if case.completion_only else None,
                                row_lens=rows)
 
 

@@ -14,8 +14,17 @@ from typing import Any
 
 
 def token_rows(rows: Any) -> list[dict[str, list[int]]]:
-    """``rows`` (anything indexable whose items hold ``input_ids``) as lists of ints."""
-    return [{"input_ids": [int(t) for t in rows[i]["input_ids"]]} for i in range(len(rows))]
+    """``rows`` (anything indexable whose items hold ``input_ids``) as lists of ints; a row's
+    ``completion_mask`` (1 on the completion's tokens) is kept, so that ``SFTTrainer`` with
+    ``completion_only_loss`` scores the completion alone, as it does for its own
+    prompt-completion rows."""
+    out = []
+    for i in range(len(rows)):
+        row = {"input_ids": [int(t) for t in rows[i]["input_ids"]]}
+        if "completion_mask" in rows[i]:
+            row["completion_mask"] = [int(t) for t in rows[i]["completion_mask"]]
+        out.append(row)
+    return out
 
 
 def preference_pair(ids: list[int], vocab: int) -> dict[str, str]:

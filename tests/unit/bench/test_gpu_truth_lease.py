@@ -160,3 +160,16 @@ def test_a_packed_sft_case_trains_packed_rows_and_estimates_from_their_lengths()
 def test_packing_needs_sft_rows_that_fit(kw, message):
     with pytest.raises(ValueError, match=message):
         Case("llama-160m", "amp_bf16", **kw)
+
+
+def test_a_completion_only_sft_case_masks_the_prompt_and_tells_the_estimate():
+    (case,) = [c for c in _gpu_cases.CASES if c.completion_only]
+    assert case.trainer == "sft" and ".completion256." in case.id
+    (row,) = gpu_truth.examples(case, 1000, 1)
+    assert row["completion_mask"].tolist() == [0] * 768 + [1] * 256
+    assert gpu_truth.memory_args(case, {"max_length"})["completion_only_loss"] is True
+    assert gpu_truth.estimate_kwargs(case, False)["completion_len"] == 256
+    with pytest.raises(ValueError, match="completion_only is the completion's share"):
+        Case("llama-160m", "amp_bf16", trainer="dpo", completion_only=100)
+    with pytest.raises(ValueError, match="between 0 and seq_len"):
+        Case("llama-160m", "amp_bf16", trainer="sft", completion_only=1024)
