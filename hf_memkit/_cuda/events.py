@@ -13,6 +13,12 @@ outside any block, and whether autograd's backward was running. Each allocation 
 *owner*: the block whose weights it is, else the block it was made in. ``_estimate.allocation``
 builds a deep model's stream from these tags (a per-block periodic pattern with explicit
 lifetimes).
+
+Two marks besides the micro-steps' say where torch allocates the cuBLAS workspaces: at the first
+matmul of each thread (``CublasHandlePool.cpp``: ``getCUDABlasWorkspace`` allocates one through
+the caching allocator the first time a (handle, stream) pair is used, and each thread has its own
+handle), the forward's on the main thread and the backward's on autograd's. ``EventLog.matmul``
+logs ``WORKSPACE_MARKS[backward]`` after the first matmul's output in each direction.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from typing import Any
 ALLOC, FREE, MARK = "alloc", "free", "mark"
 
 Where = tuple[Any, bool]  # (block or None, in backward)
+# where the forward thread's and autograd's cuBLAS workspaces are allocated (index: in backward)
+WORKSPACE_MARKS = ("cublas:forward", "cublas:backward")
 
 
 @dataclass
@@ -42,6 +50,7 @@ class EventLog:
     # of a storage that belongs to a block's weights (by its key)
     context: Callable[[], Where] | None = field(default=None, repr=False)
     weight_owner: dict[Any, Any] = field(default_factory=dict, repr=False)
+    _matmuls: set = field(default_factory=set, repr=False)  # directions whose mark is logged
 
     def _here(self) -> Where:
         return self.context() if self.context is not None else (None, False)
@@ -62,6 +71,15 @@ class EventLog:
         if h is not None:
             self.events.append((FREE, h, 0))
             self.where.append(self._here())
+
+    def matmul(self) -> None:
+        """A matmul ran (its output already logged): the first in each direction marks where
+        that thread's cuBLAS workspace is allocated (``WORKSPACE_MARKS``)."""
+        here = self._here()
+        if here[1] not in self._matmuls:
+            self._matmuls.add(here[1])
+            self.events.append((MARK, WORKSPACE_MARKS[here[1]], 0))
+            self.where.append(here)
 
     def mark(self, name: str) -> None:
         self.events.append((MARK, name, 0))

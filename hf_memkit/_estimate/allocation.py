@@ -1,9 +1,14 @@
 """``peak_reserved`` on CUDA: replay the traced step's allocations and frees through the model of
 the caching allocator (``_cuda.allocator``), the way a Trainer runs it:
 
-1. the weights (and the step's inputs) are allocated, then the two cuBLAS workspaces at the
-   first matmul;
-2. step 1: the traced micro-steps (activations, temporaries, gradients created in the backward);
+1. the weights (and the step's inputs) are allocated;
+2. step 1: the traced micro-steps (activations, temporaries, gradients created in the backward),
+   with each thread's cuBLAS workspace allocated after its first matmul's output, where the trace
+   marks it (``WORKSPACE_MARKS``): the forward's on the main thread, the backward's on autograd's
+   (``CublasHandlePool.cpp`` allocates one per handle and stream on first use, through the caching
+   allocator, and keeps it). The backward's lands in whatever the forward freed (the loss's
+   freed logits): a block it splits stays split, and a block of that size in step 2 needs a new
+   segment. A trace without the marks has them after the weights;
    then the optimizer step, which creates its state lazily (``torch.optim`` initialises
    ``exp_avg``/``exp_avg_sq`` at the first ``step()``) into space the freed activations left,
    then its transient buffers; then ``zero_grad(set_to_none=True)`` frees the gradients;
@@ -31,22 +36,23 @@ from collections.abc import Iterator
 from typing import Any
 
 from .._cuda.allocator import AllocatorConfig, ReplayStats, replay
-from .._cuda.events import ALLOC, FREE, MARK, EventLog
+from .._cuda.events import ALLOC, FREE, MARK, WORKSPACE_MARKS, EventLog
 
 Event = tuple[str, Any, int]
 
 
 def _split(events: list[Event], micro_steps: int) -> tuple[list[Event], list[Event]]:
-    """(what exists before the step: weights, inputs; the first ``micro_steps`` micro-steps)."""
+    """(what exists before the step: weights, inputs; the first ``micro_steps`` micro-steps,
+    with their workspace marks)."""
     first = next((i for i, e in enumerate(events) if e[0] == MARK), len(events))
     body, seen = [], 0
     for e in events[first:]:
-        if e[0] == MARK:
-            seen += 1
-            if seen > micro_steps:
-                break
-        else:
+        if e[0] != MARK or e[1] in WORKSPACE_MARKS:
             body.append(e)
+            continue
+        seen += 1
+        if seen > micro_steps:
+            break
     return events[:first], body
 
 
@@ -71,18 +77,28 @@ def step_events(events: list[Event], trainable: tuple[int, ...], *, state_ratio:
                 transient_ratio: float, workspaces: tuple[int, ...] = (),
                 optimizer: bool = True, micro_steps: int = 2) -> Iterator[Event]:
     """The event stream of two optimizer steps built from one traced step's ``events`` (its
-    first ``micro_steps`` traced micro-steps: 1 without gradient accumulation)."""
+    first ``micro_steps`` traced micro-steps: 1 without gradient accumulation). ``workspaces``:
+    the forward thread's, then as many of autograd's; each thread's are allocated at its mark in
+    step 1 (``WORKSPACE_MARKS``), after the prefix where the trace has no mark."""
     prefix, body = _split(events, micro_steps)
     kept = {h for op, h, _ in prefix if op == ALLOC}
     dropped: set = set()  # storages of the prefix the step frees (e.g. a replaced buffer)
+    half = (len(workspaces) + 1) // 2
+    at = {name: [(ALLOC, ("cublas", i), n) for i, n in enumerate(workspaces)
+                 if (i >= half) == bool(t)] for t, name in enumerate(WORKSPACE_MARKS)}
+    marked = {h for op, h, _ in body if op == MARK}
     yield from prefix
-    for i, nbytes in enumerate(workspaces):
-        yield ALLOC, ("cublas", i), nbytes
+    for name in WORKSPACE_MARKS:
+        if name not in marked:
+            yield from at[name]
     for step in (1, 2):
         live: set = set()
         for op, h, nbytes in body:
             key = h if h in kept else (step, h)
-            if op == ALLOC:
+            if op == MARK:
+                if step == 1:
+                    yield from at[h]
+            elif op == ALLOC:
                 live.add(key)
                 yield ALLOC, key, nbytes
             elif key in live:

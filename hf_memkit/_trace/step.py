@@ -54,6 +54,11 @@ else:
     _IMPORT_ERROR = None
 
 CPU = torch.device("cpu")
+# ops that run through cuBLAS on CUDA (aten/src/ATen/native/cuda/Blas.cpp): the first of each
+# thread allocates its cuBLAS workspace (``EventLog.matmul``); linear and matmul reach these
+_CUBLAS_OPS = frozenset(getattr(torch.ops.aten, name) for name in (
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "mv", "addmv", "dot",
+    "vdot", "addr") if hasattr(torch.ops.aten, name))
 
 
 def require_tracing() -> None:
@@ -195,6 +200,12 @@ if MemTracker is not None:
                 if not p.requires_grad and self._param_to_grad_hook_handles.get(p) is None:
                     self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            res = super().__torch_dispatch__(func, types, args, kwargs)
+            if self.log is not None and func.overloadpacket in _CUBLAS_OPS:
+                self.log.matmul()  # where CUDA's cuBLAS workspace of this thread is allocated
+            return res
 
         def _delete_callback(self, winfo, w_st) -> None:
             super()._delete_callback(winfo, w_st)

@@ -140,7 +140,10 @@ def test_replay_peak_allocated_is_the_estimates_peak_allocated(clean_cuda_env):
 @pytest.mark.parametrize("seq_len", [4096, 16384])
 def test_checkpoint_offload_never_raises_device_used(clean_cuda_env, seq_len):
     """Offloading checkpointed activations to the host frees device memory; the allocator terms
-    must not take it back (a leaking replay once made offload 5.7 GiB dearer at 16k)."""
+    must not take it back (a leaking replay once made offload 5.7 GiB dearer at 16k). Up to one
+    cuBLAS workspace aside: autograd's is allocated at the backward's first matmul, in the best
+    fit among the blocks free then, which the two streams leave differently (at 4k offload's
+    split a freed logits block and reserves 18 MiB more than plain)."""
     args = {"per_device_train_batch_size": 1, "bf16": True, "gradient_checkpointing": True}
     common = dict(seq_len=seq_len, device="H100-80GB", cuda_version="12.8",
                   dtype=torch.bfloat16)
@@ -148,7 +151,7 @@ def test_checkpoint_offload_never_raises_device_used(clean_cuda_env, seq_len):
     offload = mk.estimate_memory("meta-llama/Llama-3.1-8B",
                                  {**args, "gradient_checkpointing_kwargs": {"offload": True}},
                                  **common)
-    assert offload.device_used <= plain.device_used
+    assert offload.device_used <= plain.device_used + cublas_workspace((9, 0)) // 2
 
 
 def test_a_sharded_stream_is_replayed_on_the_device_with_the_ranks_headroom(
