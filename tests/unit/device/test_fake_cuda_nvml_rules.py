@@ -19,29 +19,11 @@ from tests.fakes import (
     Machine,
     a100,
     enumerate_devices,
-    install_cuda,
-    install_nvml,
     mig_uuid_of,
     remove_nvml_library,
     t4,
     uuid_of,
 )
-
-
-@pytest.fixture
-def machine(monkeypatch):
-    """Install a Machine: ``machine(gpus, root=False)`` with nvidia-ml-py and torch.cuda."""
-    for var in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LOCAL_RANK", "WORLD_SIZE"):
-        monkeypatch.setenv(var, "")     # recorded, so that what the code under test sets
-        monkeypatch.delenv(var)         # is undone after the test
-
-    def make(gpus, **kw):
-        m = Machine(gpus, **kw)
-        install_nvml(m, monkeypatch)
-        m.cuda = install_cuda(m, monkeypatch)
-        return m
-
-    return make
 
 
 def _nvml_used(index: int) -> int:

@@ -14,25 +14,8 @@ from transformers import LlamaConfig
 import hf_memkit as mk
 from hf_memkit._estimate.budget import memory_budget
 from hf_memkit._units import GiB, MiB
-from tests.fakes import Machine, a100, install_cuda, install_nvml, mig_uuid_of, t4, uuid_of
+from tests.fakes import a100, mig_uuid_of, t4, uuid_of
 from tests.fakes.machine import Process
-
-
-@pytest.fixture
-def machine(monkeypatch):
-    """Install a Machine: ``machine(gpus, root=False)`` with nvidia-ml-py and torch.cuda."""
-    for var in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LOCAL_RANK", "WORLD_SIZE"):
-        monkeypatch.setenv(var, "")     # recorded, so that what the code under test sets
-        monkeypatch.delenv(var)         # is undone after the test
-
-    def make(gpus, **kw):
-        m = Machine(gpus, **kw)
-        install_nvml(m, monkeypatch)
-        m.cuda = install_cuda(m, monkeypatch)
-        return m
-
-    return make
-
 
 # --- defect 3: the wrong card on mixed machines ----------------------------------------------
 
