@@ -1,8 +1,8 @@
 """Resolve a model reference to a ``PretrainedConfig`` without downloading or allocating weights.
 
 Accepted: a bundled catalog name (public ``config.json`` hyperparameters shipped in
-``hf_memkit/model_configs/``), a hub id whose config is already in the local HF cache, or a local
-directory holding ``config.json``.
+``hf_memkit/model_configs/``), a local directory holding ``config.json``, or a Hugging Face Hub
+id, whose ``config.json`` alone is read from the local HF cache or fetched (``names.fetch_config``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 from transformers import AutoConfig, PretrainedConfig
 
 from .._errors import HfMemkitError, did_you_mean, quoted, read_json_file
-from .names import bundled_files, canonical_name, list_models, unknown_model_error
+from .names import bundled_files, canonical_name, fetch_config, list_models
 
 
 def load_bundled_config(name: str) -> PretrainedConfig:
@@ -106,8 +106,9 @@ def _from_pretrained(ref: str, file: Path, **kwargs: Any) -> PretrainedConfig:
 
 
 def resolve_config(ref: str | os.PathLike) -> PretrainedConfig:
-    """A config from a catalog name, a local directory with ``config.json``, or the HF cache.
-    Custom code (``auto_map``) is never run: ``trust_remote_code=False`` everywhere."""
+    """A config from a catalog name, a local directory with ``config.json``, or a Hub id (its
+    ``config.json`` from the HF cache, else fetched). Custom code (``auto_map``) is never run:
+    ``trust_remote_code=False`` everywhere."""
     path = Path(ref)
     try:
         is_dir, is_json = path.is_dir(), path.suffix == ".json" and path.is_file()
@@ -130,11 +131,6 @@ def resolve_config(ref: str | os.PathLike) -> PretrainedConfig:
         return load_bundled_config(name)
     except KeyError:
         pass
-    try:  # a hub id whose config.json is already cached locally; never downloads, never runs code
-        return AutoConfig.from_pretrained(name, local_files_only=True, trust_remote_code=False)
-    except ValueError as exc:
-        if "trust_remote_code" in str(exc):
-            raise remote_code_error(name) from None
-    except Exception:
-        pass
-    raise unknown_model_error(name)
+    file = fetch_config(name)  # a hub id: its config.json alone, cached or fetched
+    _check_config_file(file)
+    return _from_pretrained(str(file.parent), file)

@@ -2,19 +2,21 @@
 checks a model name against them before any heavy import (``check_model_ref``).
 
 A name is a bundled config (``hf_memkit/model_configs/<name>.json``, the published
-``config.json`` hyperparameters), a hub id naming one (``HUB_IDS``), a hub id whose
-``config.json`` is in the local Hugging Face cache, or a local file or directory
-(``catalog.resolve_config`` reads those).
+``config.json`` hyperparameters), a hub id naming one (``HUB_IDS``), a local file or directory,
+or any other Hugging Face Hub id, whose ``config.json`` alone is read from the local HF cache or
+fetched through ``huggingface_hub`` (``fetch_config``; ``HF_HUB_OFFLINE`` keeps it to the
+cache). ``catalog.resolve_config`` reads them all.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from functools import cache
 from importlib import resources
 from pathlib import Path
 
-from .._errors import HfMemkitError, did_you_mean, excerpt, not_a_file
+from .._errors import HfMemkitError, excerpt, not_a_file
 
 # Hub ids that name a bundled config. The files hold the published config.json values.
 HUB_IDS = {
@@ -72,8 +74,35 @@ def canonical_name(name: str) -> str | None:
 
 
 
-def unknown_model_error(name: str) -> HfMemkitError:
-    """The error for a model reference that names nothing ``resolve_config`` can read."""
+# a size in a model's name: "8B", "0.5B", "410m", "70b", "1.5B", and the size words of a family
+_SIZE = re.compile(r"(?<![a-z0-9.])(\d+(?:\.\d+)?)\s*([bmk])(?![a-z])"
+                   r"|(?<![a-z])(tiny|mini|small|base|medium|large|xl|xxl)(?![a-z])", re.I)
+
+
+def _sizes(name: str) -> set[str]:
+    return {(m[1] + m[2] if m[1] else m[3]).lower() for m in _SIZE.finditer(name)}
+
+
+def model_did_you_mean(name: str) -> str:
+    """`` (did you mean `x`?)`` for a bundled name close to ``name`` of the same size: a name
+    that differs in its size ("Qwen2.5-3B" against "Qwen2.5-7B", "bert-base" against
+    "bert-large") is another model, and planning it would answer for the wrong one."""
+    import difflib
+
+    own = _sizes(name)
+    matches = difflib.get_close_matches(name, list_models(), n=5, cutoff=0.6)
+    for close in matches:
+        if _sizes(close) == own:
+            return f" (did you mean `{close}`?)"
+    orgs = [k.split("/")[0] for c in matches for k, v in HUB_IDS.items() if v == c and "/" in k]
+    if orgs and "/" not in name:  # another size of a bundled family: the Hub has it by its id
+        return f" (not bundled; on the Hugging Face Hub perhaps `{orgs[0]}/{excerpt(name)}`)"
+    return ""
+
+
+def unknown_model_error(name: str, why: str = "") -> HfMemkitError:
+    """The error for a model reference that names nothing ``resolve_config`` can read (``why``:
+    what the Hub said, when it was asked)."""
     if os.path.lexists(name):   # there, but neither a folder nor a config.json: say what it is
         what = ("a broken symbolic link" if not os.path.exists(name) else
                 "a file that is not a .json config" if os.path.isfile(name) else
@@ -81,18 +110,78 @@ def unknown_model_error(name: str) -> HfMemkitError:
         return HfMemkitError(f"`{excerpt(name)}` is {what}; give a model directory holding "
                              "config.json, a config.json file or a catalog name")
     return HfMemkitError(
-        f"unknown model `{excerpt(name)}`{did_you_mean(name, list_models())}; bundled configs: "
-        f"{', '.join(list_models())}. Otherwise pass a local directory holding config.json "
-        f"(e.g. `huggingface-cli download {excerpt(name)} config.json --local-dir ./cfg`), a "
-        "PretrainedConfig, or a model"
+        f"unknown model `{excerpt(name)}`{model_did_you_mean(name)}{why}; bundled configs: "
+        f"{', '.join(list_models())}. Otherwise give a Hugging Face Hub id (`org/name`, its "
+        "config.json is fetched), a local directory holding config.json (e.g. `hf download "
+        f"{excerpt(name)} config.json --local-dir ./cfg`), a PretrainedConfig, or a model"
     )
 
 
+def _hub_error(ref: str, exc: Exception) -> HfMemkitError:
+    """What went wrong fetching ``ref``'s config.json, and what to do (``hf`` is the command
+    huggingface_hub installs)."""
+    from huggingface_hub import errors
+
+    name = excerpt(ref)
+    if isinstance(exc, errors.GatedRepoError):
+        return HfMemkitError(
+            f"`{name}` is a gated model on the Hugging Face Hub: accept its licence on "
+            f"https://huggingface.co/{name}, then run `hf auth login` (or set HF_TOKEN) and "
+            "ask again; or pass a local directory holding its config.json")
+    if isinstance(exc, errors.LocalEntryNotFoundError):
+        return HfMemkitError(
+            f"`{name}`: its config.json is not in the local Hugging Face cache and the Hub "
+            "cannot be reached (HF_HUB_OFFLINE is set, or no network). Where the Hub is "
+            f"reachable run `hf download {name} config.json`, then ask again; or unset "
+            "HF_HUB_OFFLINE; or pass a local directory holding config.json")
+    if isinstance(exc, errors.RevisionNotFoundError):
+        return HfMemkitError(f"`{name}`: the Hub has no such revision; give the model id alone "
+                             "(its main revision) or a local directory holding config.json")
+    if isinstance(exc, errors.RepositoryNotFoundError):
+        return unknown_model_error(ref, " (the Hugging Face Hub has no model of that id, or it "
+                                   "is private: `hf auth login` for a private one)")
+    if isinstance(exc, errors.EntryNotFoundError):
+        return HfMemkitError(f"`{name}` on the Hugging Face Hub has no config.json (not a "
+                             "transformers model?); pass a local directory holding one")
+    return HfMemkitError(f"`{name}`: fetching its config.json from the Hugging Face Hub failed "
+                         f"({type(exc).__name__}: {excerpt(str(exc))}); run `hf download "
+                         f"{name} config.json` and ask again, or pass a local directory")
+
+
+def fetch_config(ref: str) -> Path:
+    """The local path of hub id ``ref``'s ``config.json``: from the local HF cache, else fetched
+    through ``huggingface_hub`` (that file alone; ``HF_HUB_OFFLINE``, ``HF_HOME`` and
+    ``HF_HUB_CACHE`` as huggingface_hub reads them). Nothing else of the repository is read,
+    and no code in it is run.
+
+    Args:
+        ref (`str`): A Hugging Face Hub model id (``"Qwen/Qwen2.5-1.5B"``).
+
+    Returns:
+        `Path`: The cached ``config.json``.
+
+    Raises:
+        HfMemkitError: ``ref`` is no valid id, names no model, is gated, has no config.json,
+            or is not cached while the Hub cannot be reached; the message says what to do.
+    """
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import GatedRepoError, HFValidationError
+
+    try:
+        return Path(hf_hub_download(ref, "config.json"))
+    except HFValidationError:
+        raise unknown_model_error(ref) from None
+    except Exception as exc:  # huggingface_hub's errors (and the network's), mapped to ours
+        if "/" not in ref and not isinstance(exc, GatedRepoError):
+            raise unknown_model_error(ref) from None  # a mistyped bundled name, not a hub id
+        raise _hub_error(ref, exc) from None
+
+
 def check_model_ref(ref: str) -> None:
-    """Raise ``unknown_model_error`` where ``ref`` is neither a local path, a bundled config,
-    nor a hub id whose config is in the local Hugging Face cache; what it names is read (and
-    its own errors raised) by ``catalog.resolve_config``. Imports neither torch nor
-    transformers."""
+    """Raise an error naming the problem where ``ref`` is neither a local path, a bundled
+    config, nor a hub id whose config.json is cached or can be fetched (``fetch_config``); what
+    it names is read (and its own errors raised) by ``catalog.resolve_config``. Imports neither
+    torch nor transformers."""
     if canonical_name(ref) is not None:
         return
     try:
@@ -100,13 +189,4 @@ def check_model_ref(ref: str) -> None:
             return
     except OSError:  # a name too long for the file system: not a path
         pass
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:  # pragma: no cover - transformers requires huggingface_hub
-        return
-    try:
-        found = try_to_load_from_cache(ref, "config.json")
-    except Exception:  # not a valid repo id: resolve_config cannot read it either
-        found = None
-    if not isinstance(found, str):
-        raise unknown_model_error(ref)
+    fetch_config(ref)

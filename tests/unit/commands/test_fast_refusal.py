@@ -25,7 +25,7 @@ PLAN = ["--seq-len", "2048", "--target-batch", "32"]
 CASES = {
     "estimate: unknown model": (["estimate", "Llama-3.1-9B", "--gpu", "RTX-4090", "--seq-len",
                                  "2048", "bf16=true"],
-                                ["unknown model `Llama-3.1-9B`", "did you mean `Llama-3.1-8B`",
+                                ["unknown model `Llama-3.1-9B`", "`meta-llama/Llama-3.1-9B`",
                                  "bundled configs"]),
     "plan: unknown model": (["plan", "gpt3", "--gpu", "T4", *PLAN, "optim=adafactor"],
                             ["unknown model `gpt3`", "`gpt2`"]),
