@@ -29,6 +29,7 @@ from .base import (
     StateSizes,
     all_rungs,
     engine_choices,
+    engine_stage,
 )
 from .deepspeed import deepspeed_config_for, validate_deepspeed_config
 from .dims import ParallelDims, dims_problems, engine_problems, read_dims, settled
@@ -77,6 +78,6 @@ def rank_states(sh: Sharding, sizes: StateSizes, *, facts: Any, device_kind: str
 __all__ = ["ENGINES", "ParallelDims", "EmitContext", "Engine", "FSDP_CONFIG_KEYS", "RankStates",
            "ReferenceSizes", "Rung",
            "Sharding", "StateSizes", "all_rungs", "comm_bytes_per_step", "comm_seconds",
-           "deepspeed_config_for", "engine_choices", "engine_problems", "fsdp_config_for", "fsdp_plugin_args",
+           "deepspeed_config_for", "engine_choices", "engine_stage", "engine_problems", "fsdp_config_for", "fsdp_plugin_args",
            "launch_commands", "rank_states", "sharding_from_args", "validate_deepspeed_config",
            "validate_fsdp_config"]

@@ -172,6 +172,10 @@ class Engine:
     fields: tuple[str, ...] = ()    # the TrainingArguments fields it reads (field coverage)
     holds_masters = False   # its (sharded) parameters are the optimizer's fp32 masters: the
     #                         trainable weights and gradients take ``master_itemsize`` too
+    # the engine's sharding strategies by the names its own library gives them ("zero3",
+    # "fsdp-full-shard"): plan_training(engine=name) plans that stage alone (its offload
+    # rungs included)
+    stages: dict[str, int] = {}
 
     def selected(self, get) -> bool:
         """Whether TrainingArguments (``get(field)``) ask for this engine."""
@@ -294,8 +298,18 @@ def register(engine: Engine) -> Engine:
 
 
 def engine_choices() -> list[str]:
-    """The values of ``plan_training(engine=...)``, the CLI's ``--engine`` and recipes."""
-    return ["auto", *(e.name for e in ENGINES if e.user_facing)]
+    """The values of ``plan_training(engine=...)``, the CLI's ``--engine`` and recipes: each
+    engine's name, then its stages by name (``Engine.stages``)."""
+    return ["auto", *(n for e in ENGINES if e.user_facing for n in (e.name, *e.stages))]
+
+
+def engine_stage(name: str) -> tuple[str, int | None]:
+    """The engine and the stage an ``engine=`` value names: ``("deepspeed", 3)`` for
+    ``"zero3"``, ``("fsdp", None)`` (every stage) for ``"fsdp"``."""
+    for e in ENGINES:
+        if name in e.stages:
+            return e.name, e.stages[name]
+    return name, None
 
 
 def all_rungs() -> dict[str, Rung]:

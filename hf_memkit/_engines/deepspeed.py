@@ -67,6 +67,7 @@ class DeepSpeed(Engine):
     launch_flag = "--use_deepspeed"
     config_file = "ds_config.json"
     fields = ("deepspeed",)
+    stages = {"zero2": 2, "zero3": 3}   # DeepSpeed's ZeRO stages (ZeRO-1: pin a config)
     split_kind = "sequence"     # Ulysses (ALST) over every rank's ZeRO partitions
     accelerate_type = "DEEPSPEED"
 

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from .._cuda.runtime import parse_cuda_version
 from .._device.precision import PrecisionIssue, precision_issues
 from .._device.probe import DeviceInfo, probe_device, resolve_device
-from .._engines import ENGINES, Engine, ParallelDims, engine_choices
+from .._engines import ENGINES, Engine, ParallelDims, engine_choices, engine_stage
 from .._engines.dims import read_dims
 from .._errors import ConfigError, HfMemkitError, did_you_mean, excerpt, quoted
 from .._estimate.budget import (
@@ -117,8 +117,13 @@ class PlanRequest:
         """The engine that shards when a replica does not fit: the one asked for, else the
         default sharding engine (``Engine.default_sharding``)."""
         if self.engine != "auto":
-            return ENGINES.get(self.engine)
+            return ENGINES.get(engine_stage(self.engine)[0])
         return next(e for e in ENGINES if e.default_sharding)
+
+    @property
+    def engine_stage(self) -> int | None:
+        """The one sharding stage asked for by name (``engine="zero3"``: 3), else None."""
+        return engine_stage(self.engine)[1]
 
     @property
     def splits_sequences(self) -> bool:

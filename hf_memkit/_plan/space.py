@@ -214,9 +214,9 @@ def strategies(req: PlanRequest, method: Method) -> list[Rung]:
     engine = req.sharding_engine
     if not req.split.plain:  # each sequence split over ranks, on the engine that splits it
         return [r.split(req.split) for r in engine.split_rungs() if method.allows_rung(r)]
-    rungs = [r for e in ENGINES if e.replicates for r in e.rungs()]
-    if not engine.replicates:
-        rungs += engine.rungs()
+    rungs = [] if req.engine_stage else [r for e in ENGINES if e.replicates for r in e.rungs()]
+    if not engine.replicates:  # a stage asked for by name ("zero3"): that stage's rungs alone
+        rungs += [r for r in engine.rungs() if req.engine_stage in (None, r.stage)]
     rungs = [r for r in rungs if method.allows_rung(r)]
     dims = req.pinned_dims
     return rungs if dims is None else pinned_dims_rungs(req, method, dims, rungs) or rungs
@@ -230,7 +230,7 @@ def pinned_dims_rungs(req: PlanRequest, method: Method, dims: ParallelDims,
     the degrees. Empty where none does (the estimate then says why, naming the degrees)."""
     if dims.splits_sequence == 1:
         return [r for r in rungs if not engine_problems(dims, r.engine)]
-    return [r.split(dims) for e in ENGINES if req.engine in ("auto", e.name)
+    return [r.split(dims) for e in ENGINES if req.engine in ("auto", e.name, *e.stages)
             and not engine_problems(dims, e.name) for r in e.split_rungs()
             if method.allows_rung(r)]
 

@@ -62,6 +62,8 @@ def question_key(args: argparse.Namespace) -> str | None:
     """The key of this command line's answer, or None where it is not kept."""
     if args.command not in COMMANDS or getattr(args, "no_cache", False) or not store.enabled():
         return None
+    if getattr(args, "write_config", None) is not None:  # files to write: run it every time
+        return None
     if not _known_inputs(args):
         return None
     from rich.console import Console

@@ -10,6 +10,7 @@ from .._engines import engine_choices
 from .._errors import HfMemkitError
 from .._methods import method_choices
 from .._model.tasks import task_choices
+from ._write import add_write_options
 from .cache import add_cache_option, apply_cache_option
 from .estimate import (
     add_trainer_option,
@@ -65,8 +66,10 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                         "sharding), each sequence split over several where whole ones do not fit "
                         "(context parallelism; Ulysses with --engine deepspeed)")
     p.add_argument("--num-nodes", type=gpus, default=None, help="nodes (default 1)")
-    p.add_argument("--engine", default=None, choices=engine_choices(),
-                   help="data-parallel engine (default auto: DDP if a replica fits, else FSDP2)")
+    p.add_argument("--engine", default=None, choices=engine_choices(), metavar="ENGINE",
+                   help="data-parallel engine: auto (default: DDP if a replica fits, else "
+                        "FSDP2), ddp, fsdp (FSDP2, either sharding strategy), fsdp-full-shard, "
+                        "fsdp-shard-grad-op, deepspeed (ZeRO-2 or 3), zero2, zero3")
     p.add_argument("--host-memory", default=None,
                    help="CPU RAM per node that offload may use, e.g. 512GiB")
     p.add_argument("--seq-len", type=tokens, default=None,
@@ -100,6 +103,7 @@ def plan_parser(sub) -> argparse.ArgumentParser:
                         "first, then the estimated setups; Plan.from_json reads it")
     p.add_argument("--full", action="store_true",
                    help="with --json: every setup considered, each with its full estimate")
+    add_write_options(p)
     add_cache_option(p)
     return p
 
@@ -139,6 +143,13 @@ def plan_command(args: argparse.Namespace) -> int:
 
     apply_cache_option(args)
     args.trainer = trainer_option(args.trainer)
+    if args.overwrite and args.write_config is None:
+        raise HfMemkitError("--overwrite replaces the files of --write-config DIR; give "
+                            "--write-config DIR too, or drop --overwrite")
+    if args.write_config is not None:  # before the search: a refused folder costs nothing
+        from ._write import check_folder
+
+        check_folder(args.write_config, overwrite=args.overwrite)
     cli = dict(device=args.gpu, num_gpus=args.num_gpus, seq_len=args.seq_len,
                target_batch_size=args.target_batch, method=args.method,
                max_memory=args.max_memory, headroom=args.headroom, task=args.task,
@@ -173,6 +184,12 @@ def plan_command(args: argparse.Namespace) -> int:
     if kwargs.get("max_memory") is not None:
         kwargs["headroom"] = None  # said above (or a recipe's default): no second warning
     plan = plan_training(**kwargs)
+    written = None
+    if args.write_config is not None:
+        from ._write import write_config
+
+        written = write_config(plan, args.write_config, task=args.task,
+                               overwrite=args.overwrite)
     if args.json:
         import json
 
@@ -180,13 +197,14 @@ def plan_command(args: argparse.Namespace) -> int:
 
         d = plan.to_dict(full=args.full)
         trainer = plan.estimate.setup.trainer.name if plan.estimate is not None else TRAINER.name
-        print(json.dumps({"chosen": d.pop("chosen"), TRAINER_KEY: trainer, **d}, indent=2))
+        print(json.dumps({"chosen": d.pop("chosen"), TRAINER_KEY: trainer, **d,
+                          **({"written": written} if written else {})}, indent=2))
     else:
         from rich.console import Console
 
         from .._views.text import plan_tables, print_tables
 
-        print_tables(Console(), *plan_tables(plan))
+        print_tables(Console(), *plan_tables(plan, written))
     return 3 if plan.verdict == "tight" else 0  # no setup fits: an error, exit 1
 
 

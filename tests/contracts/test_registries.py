@@ -125,8 +125,11 @@ def test_optimizer_profiles_carry_what_the_planner_needs():
 
 
 def test_engines_and_their_rungs():
-    assert engine_choices() == ["auto", "ddp", "fsdp", "deepspeed"]
+    assert engine_choices() == ["auto", "ddp", "fsdp", "fsdp-full-shard", "fsdp-shard-grad-op",
+                                "deepspeed", "zero2", "zero3"]
     rungs = all_rungs()
+    for e in ENGINES:   # a stage by name is a stage the engine has rungs for
+        assert {s for s in e.stages.values()} <= {r.stage for r in e.rungs()}
     assert [r for r in rungs if rungs[r].offload] == ["fsdp-offload", "zero3-offload-opt",
                                                       "zero3-offload"]
     for r in rungs.values():
