@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .._compat import spare_the_collector
+from .._compat import quiet_notices, spare_the_collector
 from .._cuda.runtime import parse_cuda_version
 from .._device.precision import precision_issues
 from .._device.probe import resolve_device
@@ -114,6 +114,7 @@ def _checked(seq_len: int | None, stage: str, target_len: int | None, seq_name: 
 
 
 @spare_the_collector()
+@quiet_notices()  # third-party import notices our call triggers
 def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,
                     device: Any = None,
                     stage: str = "train", task: str | None = None, target_len: int | None = None,

@@ -25,6 +25,7 @@ from .._model.spec import ModelSpec
 from .._setup.setup import TrainingSetup
 from .._techniques import TECHNIQUES
 from .._trace.step import trace_step
+from .progress import report
 
 FULL_TRACE_MAX_LAYERS = 4
 EXTRAPOLATE_AT = (2, 3)
@@ -133,6 +134,8 @@ def trace_excess(spec: ModelSpec, setup: TrainingSetup, *, seq_len: int, stage: 
     key = disk_key(spec, shape, **kw) if disk is not None else None
     e = _stored(disk, key)
     if e is None:
+        report(f"tracing {spec.model_cls.__name__}: {stage}, micro-batch {batch} x "
+               f"{seq_len} tokens{' (forward)' if forward_only else ''}")
         e = _trace_excess(spec, shape, **kw)
         if key is not None:
             disk.put(key, e.to_dict())

@@ -297,4 +297,12 @@ def _result(rank: _Rank, setup: TrainingSetup, dev: DeviceInfo, peak: _Peak, ex:
         margin=terms.margin, required=int(terms.required),
         required_at_least=terms.required_at_least, margin_terms=_shares(terms),
         phase_peaks={k: int(v) for k, v in peak.phases.items()},
-        refusals=tenant.refusals if tenant is not None else [])
+        refusals=tenant.refusals if tenant is not None else [],
+        trained_dtype=_trained_dtype(rank.spec))
+
+
+def _trained_dtype(spec: ModelSpec) -> str:
+    """The dtype of the trained weights (and so of their gradients and the optimizer's copy):
+    the first trainable parameter's; '' with none."""
+    p = next((p for p in spec.meta.parameters() if p.requires_grad), None)
+    return "" if p is None else str(p.dtype).removeprefix("torch.")

@@ -13,6 +13,7 @@ from .._units import format_bytes
 # and the CLI's exit status (docs/fitting.md).
 FITS, TIGHT, DOES_NOT_FIT, UNKNOWN = "fits", "tight", "does not fit", "unknown"
 VERDICTS = (FITS, TIGHT, DOES_NOT_FIT, UNKNOWN)
+_SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 @dataclass
@@ -73,6 +74,10 @@ class MemoryEstimate:
     refusals: list[str] = field(default_factory=list, metadata={
         "help": "Why the run cannot start whatever its memory (a colocated vLLM's start-up "
                 "rules); fits is False when there are any."})
+    trained_dtype: str = field(default="", metadata={
+        "help": "The dtype the trained weights are kept in, and with them their gradients and "
+                "the optimizer's master copy: 'float32' under mixed precision (bf16 / fp16 "
+                "autocast), 'bfloat16' in pure bf16 training; '' when unknown (older JSON)."})
     phase_peaks: dict[str, int] = field(default_factory=dict, metadata={
         "help": "Peak live tensor bytes of each phase of the step (before CUDA's workspaces "
                 "and rounding), e.g. 'generate (decode)', 'score', 'forward', 'backward', "
@@ -99,6 +104,21 @@ class MemoryEstimate:
         if self.lower_bound or (self.required_at_least and self.upper > self.budget):
             return UNKNOWN  # the step needs at least this much: the band's side is not known
         return FITS if self.upper <= self.budget else TIGHT
+
+    @property
+    def precision(self) -> str:
+        """`str`: the step's precision in words: the autocast dtype and the dtype the trained
+        weights (their gradients, the optimizer's master copy) are kept in, e.g. ``"bf16
+        autocast over fp32 trained weights"`` or ``"pure bf16 (no fp32 master weights)"``."""
+        trained = _SHORT_DTYPES.get(self.trained_dtype, self.trained_dtype)
+        amp = self.setup.amp
+        if amp:
+            return f"{amp} autocast over {trained} trained weights" if trained else amp
+        if trained == "fp32":
+            return "fp32"
+        if not trained:  # an estimate saved without it: say no more than is known
+            return "no autocast"
+        return f"pure {trained} (no fp32 master weights)"
 
     @property
     def fits(self) -> bool | None:
@@ -146,7 +166,7 @@ class MemoryEstimate:
             "margin_terms": dict(self.margin_terms),
             "upper": self.upper, "budget": self.budget, "budget_basis": self.budget_basis,
             "fits": self.fits, "verdict": self.verdict, "phase_peaks": dict(self.phase_peaks),
-            "refusals": list(self.refusals),
+            "refusals": list(self.refusals), "trained_dtype": self.trained_dtype,
         }
 
     def explain(self) -> str:
@@ -184,4 +204,5 @@ class MemoryEstimate:
             required_at_least=bool(d.get("required_at_least", False)),
             margin_terms=dict(d.get("margin_terms", {})),
             budget=d.get("budget"), budget_basis=d.get("budget_basis", ""),
-            phase_peaks=dict(d.get("phase_peaks", {})), refusals=list(d.get("refusals", [])))
+            phase_peaks=dict(d.get("phase_peaks", {})), refusals=list(d.get("refusals", [])),
+            trained_dtype=d.get("trained_dtype", ""))

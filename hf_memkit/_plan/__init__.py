@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .._compat import spare_the_collector
+from .._compat import quiet_notices, spare_the_collector
 from .._engines import engine_choices
 from .._errors import ConfigError, HfMemkitError, quoted
 from .._estimate.budget import resolve_headroom
@@ -158,6 +158,7 @@ def _request(model: Any, *, seq_len: int | None = None, target_batch_size: int,
 
 
 @spare_the_collector()
+@quiet_notices()  # third-party import notices our call triggers
 def plan_training(model: Any, *, seq_len: int | None = None, target_batch_size: int,
                   device: Any = None,
                   num_gpus: int | None = None, method: str = "auto", headroom: float | None = None,
@@ -304,6 +305,9 @@ def _as_given(model: Any) -> tuple[Method, torch.dtype, str]:
         "model = plan.prepare(model)")
 
 
+
+
+@quiet_notices()  # third-party import notices our call triggers
 def auto_training_args(model: Any, *, base_args: Any = None, **kwargs: Any):
     """The training arguments of the fastest setup that fits `model` as it is given.
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .._compat import quiet_notices
 from .._device.probe import DeviceInfo
 from .._engines import ENGINES, Engine, launch_commands
 from .._engines.dims import read_dims
@@ -131,6 +132,7 @@ class Plan:
         return self.chosen.estimate
 
     # -- using it ---------------------------------------------------------------------------
+    @quiet_notices()  # third-party import notices our call triggers
     def to_training_args(self, **overrides: Any):
         """Build the plan's `TrainingArguments`; call it on the target machine.
 
@@ -159,6 +161,7 @@ class Plan:
         kwargs = _with_objects(kwargs)
         return self._build(lambda: TrainingArguments(**kwargs), TrainingArguments.__name__)
 
+    @quiet_notices()  # third-party import notices our call triggers
     def apply_to(self, args: Any) -> Any:
         """Set the plan's fields onto your own arguments, keeping every other field.
 
@@ -279,6 +282,7 @@ class Plan:
             except Exception as exc:  # the loaded model may not support it: keep its own
                 warnings.warn(f"kept the model's attention ({exc})", stacklevel=3)
 
+    @quiet_notices()  # third-party import notices our call triggers
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         """Apply the plan to a loaded model: attention kernel, method and searched techniques.
 

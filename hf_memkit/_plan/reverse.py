@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._compat import quiet_notices
 from .._engines import ENGINES
 from .._errors import ConfigError, HfMemkitError
 from .._estimate.budget import (
@@ -39,6 +40,31 @@ class BatchAnswer:
     limit: int = field(default=4096, metadata={"help": "The largest size tried."})
 
 
+@dataclass(frozen=True)
+class SeqLenAnswer:
+    """``max_seq_len``'s answer with its reason: what the longest length needs, how much of
+    the budget its margin holds back, and what the next length needs."""
+
+    seq_len: int = field(metadata={"help": "The longest length that fits (0: none)."})
+    budget: int = field(metadata={"help": "Bytes the step must fit in (max_memory or the "
+                                          "device's total x (1 - headroom))."})
+    budget_basis: str = field(metadata={"help": "How the budget was derived (its headroom)."})
+    needed: int | None = field(metadata={
+        "help": "What `seq_len` needs with its margin (MemoryEstimate.upper); None if 0."})
+    margin: int | None = field(metadata={
+        "help": "The part of `needed` held back for the estimate's uncertainty (2 sigma); "
+                "None if 0."})
+    next_len: int | None = field(metadata={
+        "help": "The length tried above it (seq_len + step); None when `seq_len` is the limit."})
+    next_needed: int | None = field(metadata={
+        "help": "What `next_len` needs with its margin; None where it could not be estimated."})
+    next_error: str | None = field(default=None, metadata={
+        "help": "Why `next_len` could not be estimated."})
+    limit: int = field(default=1 << 20, metadata={"help": "The longest length tried."})
+    step: int = field(default=64, metadata={"help": "The step between the lengths tried."})
+
+
+@quiet_notices()  # third-party import notices our call triggers
 def max_batch_size(model: Any, args: Any = None, *, seq_len: int, device: Any = None,
                    max_memory: int | str | None = None, headroom: float | None = None,
                    limit: int = 4096, **estimate_kwargs: Any) -> int:
@@ -98,6 +124,7 @@ def max_batch_answer(model: Any, args: Any = None, *, seq_len: int, device: Any 
     return BatchAnswer(n, probe.budget, needed, nxt, next_needed, next_error, limit)
 
 
+@quiet_notices()  # third-party import notices our call triggers
 def max_seq_len(model: Any, args: Any = None, *, device: Any = None,
                 max_memory: int | str | None = None, headroom: float | None = None,
                 limit: int = 1 << 20, multiple_of: int = 64, **estimate_kwargs: Any) -> int:
@@ -105,7 +132,20 @@ def max_seq_len(model: Any, args: Any = None, *, device: Any = None,
 
     Lengths are multiples of `multiple_of`, at most `limit`; each is estimated with
     `estimate_memory` and fits when its `upper` is within the budget (the search doubles, then
-    bisects). With `num_gpus=N` > 1 in `estimate_kwargs` and `args` that name no engine or
+    bisects). What is held back: the budget is the device's memory x (1 - `headroom`) (the
+    default headroom 0 keeps none back) or `max_memory`, and each length must fit it with its
+    margin (2 sigma of the estimate's uncertain terms, `MemoryEstimate.margin`), so the step
+    of the answer needs less than the budget by at least that margin. `max_seq_len_answer`
+    takes the same arguments and says so in bytes (`SeqLenAnswer`).
+
+    The trainer changes the answer a lot for the same `args`: with `trainer="sft"` the
+    arguments are an `SFTConfig`, whose defaults turn gradient checkpointing and bf16 on
+    where `args` do not set them, and TRL's fused head computes the loss in tiles of 4096
+    tokens, never the full `[tokens x vocab]` logits that `transformers.Trainer`'s loss keeps;
+    so an SFT answer is several times the plain Trainer's (Llama-3.2-1B on an RTX 4090, bf16,
+    micro-batch 1: 10432 tokens with `trainer="sft"`, 2816 with its checkpointing off, 1536
+    with the plain Trainer, 3072 with the Trainer and checkpointing). Pass the trainer the run
+    uses. With `num_gpus=N` > 1 in `estimate_kwargs` and `args` that name no engine or
     `parallelism_config`: "how long can one sequence be on these GPUs", each split over all N
     (context parallelism on FSDP2 full shard, lengths a multiple of `2 x N` too).
 
@@ -136,17 +176,38 @@ def max_seq_len(model: Any, args: Any = None, *, device: Any = None,
         HfMemkitError: A device that cannot be planned for, or the estimate's error at
             the shortest length (an unknown model or field is raised, never answered with 0).
     """
+    return max_seq_len_answer(model, args, device=device, max_memory=max_memory,
+                              headroom=headroom, limit=limit, multiple_of=multiple_of,
+                              **estimate_kwargs).seq_len
+
+
+def max_seq_len_answer(model: Any, args: Any = None, *, device: Any = None,
+                       max_memory: int | str | None = None, headroom: float | None = None,
+                       limit: int = 1 << 20, multiple_of: int = 64,
+                       **estimate_kwargs: Any) -> SeqLenAnswer:
+    """``max_seq_len`` with its reason: what the answer needs, the margin it holds back, the
+    budget and how it was derived, and what the next length needs (``SeqLenAnswer``)."""
     headroom = _check("max_seq_len", limit=limit, multiple_of=multiple_of, headroom=headroom,
                       max_memory=max_memory)
     batch = (dict(args) if isinstance(args, dict) else args)
     ranks = estimate_kwargs.get("num_gpus")
     if is_positive_int(ranks) and ranks > 1:
         batch, multiple_of = split_over(batch, ranks, multiple_of)
-    probe = _Probe(PlanRequest(device=device, max_memory=max_memory, headroom=headroom))
-    found = _search(lambda n, strict: probe.fits(model, batch, None, n * multiple_of,
-                                                 estimate_kwargs, strict),
-                    limit // multiple_of)
-    return found * multiple_of
+    req = PlanRequest(device=device, max_memory=max_memory, headroom=headroom)
+    probe = _Probe(req)
+
+    def fits(n: int, strict: bool) -> bool:
+        return probe.fits(model, batch, None, n * multiple_of, estimate_kwargs, strict)
+
+    n = _search(fits, limit // multiple_of) * multiple_of
+    nxt = n + multiple_of if n + multiple_of <= limit else None
+    if nxt is not None and nxt not in probe.seen:  # the search settles it, but be sure
+        fits(nxt // multiple_of, False)
+    needed = probe.seen.get(n, (None, None))[0] if n else None
+    next_needed, next_error = probe.seen.get(nxt, (None, None)) if nxt else (None, None)
+    return SeqLenAnswer(n, probe.budget, req.budget_of().basis, needed,
+                        probe.margins.get(n) if n else None, nxt, next_needed, next_error,
+                        limit, multiple_of)
 
 
 def split_over(args: Any, ranks: int, multiple_of: int) -> tuple[Any, int]:
@@ -196,6 +257,7 @@ class _Probe:
             raise HfMemkitError(why)
         self.req, self.budget = req, req.budget()
         self.seen: dict[int, tuple[int | None, str | None]] = {}
+        self.margins: dict[int, int] = {}   # size -> MemoryEstimate.margin
 
     def fits(self, model: Any, args: Any, batch: int | None, seq_len: int, kw: dict,
              strict: bool) -> bool:
@@ -215,7 +277,7 @@ class _Probe:
                 raise
             self.seen[key] = (None, str(exc))
             return False
-        self.seen[key] = (est.upper, None)
+        self.seen[key], self.margins[key] = (est.upper, None), est.margin
         return est.upper <= self.budget  # the upper band must fit
 
 

@@ -79,10 +79,11 @@ def ladder_savings(search: Any, chosen: Candidate) -> list[dict[str, Any]]:
             c.estimate = search.estimate(c, judge=False)
         except HfMemkitError:  # e.g. a method this model cannot be estimated with
             c.estimate = None
-    # the chosen setup's own estimate was judged against the budget (its smallest capacity may
-    # not have been searched): each rung's saving compares exact needs
-    exact = [search.estimate(chosen, judge=False) if chosen.estimate is not None else None] + \
-        [c.estimate for c in chain[1:]]
+    # the top row is the chosen setup as the plan shows it (its estimate judged against the
+    # budget: where the verdict did not depend on it, its smallest capacity was not searched,
+    # so its figure, and the top rung's saving, may be a little larger than an exact one); the
+    # rungs below compare exact needs
+    exact = [chosen.estimate] + [c.estimate for c in chain[1:]]
     for e in exact:
         used.append(e.device_used if e is not None else None)
         must.append(e.upper if e is not None else None)

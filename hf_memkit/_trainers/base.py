@@ -160,6 +160,9 @@ class TrainerKind:
     # (``_setup.coverage``'s IRRELEVANT holds those of every trainer)
     irrelevant: Mapping[str, tuple[str, ...]] = {}
     lengths_plan = False                          # plans micro-batches in tokens from lengths=
+    # how its step's memory differs from transformers.Trainer's on the same arguments, said
+    # beside an answer people compare across trainers (``hf-memkit estimate --max-seq-len``)
+    memory_difference = ""
     # its eval step is a forward and loss of the train step's own (no generation): it fits
     # at any batch the train step fits at (the planner's eval batch search stops there)
     eval_is_forward = True

@@ -55,6 +55,14 @@ class SFT(TrlTrainerKind):
               "pad_to_multiple_of", "activation_offloading", "completion_only_loss",
               "assistant_only_loss")
     lengths_plan = True
+    # measured with max_seq_len: Llama-3.2-1B on an RTX 4090, bf16, micro-batch 1
+    memory_difference = (
+        "its step holds far less per token than Trainer's on the same arguments: SFTConfig "
+        "turns gradient checkpointing on unless the arguments set it (TrainingArguments leaves "
+        "it off), and TRL's fused head computes the loss in tiles of at most 4096 tokens, never "
+        "the full [tokens x vocab] logits Trainer's loss keeps (e.g. Llama-3.2-1B on an RTX "
+        "4090, bf16, micro-batch 1: 10432 tokens with SFTTrainer, 2816 with its checkpointing "
+        "off, 1536 with Trainer, 3072 with Trainer and checkpointing)")
 
     def read(self, get: Callable[[str], Any]) -> dict[str, Any]:
         packing = bool(get("packing"))

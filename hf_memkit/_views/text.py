@@ -214,7 +214,7 @@ def _row_label(key: str, value: int, est) -> str:
 
 def estimate_title(est) -> str:
     s = est.setup
-    amp = s.amp or "fp32"
+    amp = est.precision
     return (f"{est.stage} step on {est.device.name}: micro-batch "
             f"{s.eval_batch if est.stage == 'eval' else s.micro_batch} x seq {est.seq_len}, "
             + (f"{amp}, no optimizer (forward + backward)" if est.stage == "forward_backward"
@@ -350,8 +350,29 @@ def _predicted_memory(plan, c) -> str:
             f"{format_bytes(plan.budget)}{per}: {word} ({detail})")
 
 
-def plan_tables(plan) -> list:
-    """The tables ``Plan.explain()`` prints: summary, chosen setup's memory, alternatives."""
+def _engine_rows(plan, written: dict[str, str] | None) -> list[tuple[str, str]]:
+    """The engine's own settings as the run receives them (``fsdp_config``, DeepSpeed's
+    ``zero_optimization``), and the launch lines (naming the files ``written`` holds)."""
+    import json
+
+    ta = getattr(plan, "training_args_kwargs", None) or {}
+    rows = [("fsdp_config", json.dumps(ta["fsdp_config"]))] if ta.get("fsdp_config") else []
+    ds = ta.get("deepspeed")
+    if isinstance(ds, dict) and ds.get("zero_optimization"):
+        rows.append(("deepspeed", "zero_optimization " + json.dumps(ds["zero_optimization"])))
+    if written:
+        rows.append(("files", ", ".join(v for k, v in written.items() if k != "launch")))
+        rows.append(("launch", written["launch"]))
+    elif getattr(plan, "parallel", None):
+        launch = plan.launch_commands()
+        rows += [("launch", launch["accelerate"]), ("or", launch["torchrun"])]
+    return rows
+
+
+def plan_tables(plan, written: dict[str, str] | None = None) -> list:
+    """The tables ``Plan.explain()`` prints: summary, chosen setup's memory, alternatives
+    (``written``: the files ``hf-memkit plan --write-config`` wrote, which the launch line
+    names)."""
     c = plan.chosen
     rows = [
         ("device", f"{plan.device.name} x {plan.num_gpus} ({format_bytes(plan.device.total_memory)}"
@@ -372,10 +393,7 @@ def plan_tables(plan) -> list:
                                     "CPU RAM (pinned: the machine needs it free)"))
     for k, v in plan.env.items():
         rows.append(("environment", f"{k}={v}"))
-    if par:
-        launch = plan.launch_commands()
-        rows.append(("launch", launch["accelerate"]))
-        rows.append(("or", launch["torchrun"]))
+    rows += _engine_rows(plan, written)
     out = [_field_table("hf-memkit plan", rows)]
     if c.estimate is not None:
         out.append(estimate_table(c.estimate))
@@ -402,7 +420,8 @@ def plan_tables(plan) -> list:
 
 
 def ladder_table(ladder: list[dict]) -> Table:
-    """What each rung of the chosen setup saved, from the setup without any of them up."""
+    """What each rung of the chosen setup saved, from the setup without any of them up; the
+    last row is the chosen setup itself."""
     t = new_table("what each rung saved (same micro-batch)")
     add_column(t, "rung")
     add_column(t, "must fit\nwith it", numeric=True)

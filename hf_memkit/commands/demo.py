@@ -1,4 +1,4 @@
-"""``hf-memkit demo``: the end-to-end slice a newcomer runs first (README) = ``hf-memkit train``
+"""``hf-memkit demo``: the end-to-end slice a newcomer runs first (`make demo`) = ``hf-memkit train``
 on the bundled tiny CPU recipe."""
 
 from __future__ import annotations

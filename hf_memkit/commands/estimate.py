@@ -384,24 +384,6 @@ def method_kwargs(args: argparse.Namespace) -> dict:
             "dtype": args.dtype or method.load_dtype("", dev)}
 
 
-def batch_reason(answer, seq_len: int) -> str:
-    """``--max-batch``'s line: the answer, the memory it needs against the budget, and what
-    the next size needs (or why it is the answer without one)."""
-    from .._units import format_bytes
-
-    budget = format_bytes(answer.budget)
-    if answer.batch == 0:
-        return (f"no micro-batch fits at seq_len {seq_len}: 1 needs "
-                f"{format_bytes(answer.next_needed or 0)}, the budget is {budget}")
-    head = (f"max micro-batch {answer.batch} at seq_len {seq_len}: "
-            f"{format_bytes(answer.needed)} of {budget} budget")
-    if answer.next_batch is None:
-        return f"{head}; {answer.batch} is the largest size tried"
-    if answer.next_needed is None:
-        return f"{head}; {answer.next_batch} cannot be estimated: {answer.next_error}"
-    return f"{head}; {answer.next_batch} needs {format_bytes(answer.next_needed)}"
-
-
 def add_trainer_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trainer", default=None, metavar="TRAINER",
                    help="trainer (transformers.Trainer, the default), sft (TRL's SFTTrainer: "
@@ -436,8 +418,6 @@ def estimate_command(args: argparse.Namespace) -> int:
         fields["per_device_train_batch_size"] = args.batch
         fields.setdefault("per_device_eval_batch_size", args.batch)
     if args.max_batch or args.max_seq_len:
-        from .._plan import max_seq_len
-
         if lengths is not None:
             raise HfMemkitError("--lengths estimates the batches of those rows; --max-batch and "
                                 "--max-seq-len search one length: give --seq-len instead")
@@ -446,6 +426,8 @@ def estimate_command(args: argparse.Namespace) -> int:
         kw = dict(device=args.gpu, headroom=args.headroom, task=args.task, dtype=args.dtype,
                   cuda_version=args.cuda_version, max_memory=args.max_memory, **trainer,
                   **method)
+        from ._reverse import batch_reason, seq_len_reason
+
         if args.max_batch:
             from .._plan.reverse import max_batch_answer
 
@@ -453,9 +435,11 @@ def estimate_command(args: argparse.Namespace) -> int:
             text = batch_reason(answer, seq_len)
             result = {"max_batch_size": answer.batch, **dataclasses.asdict(answer)}
         else:
-            n = max_seq_len(args.model, fields, limit=seq_len, **kw)
-            text = f"longest seq_len that fits (up to {seq_len}): {n}"
-            result = {"max_seq_len": n}
+            from .._plan.reverse import max_seq_len_answer
+
+            ans = max_seq_len_answer(args.model, fields, limit=seq_len, **kw)
+            text = seq_len_reason(ans, args.trainer)
+            result = {"max_seq_len": ans.seq_len, **dataclasses.asdict(ans)}
         print(json.dumps(result) if args.json else text)
         return 0
     try:

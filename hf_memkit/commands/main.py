@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     from .._compat import quiet_notices
+    from ._progress import status
 
     try:
         # what needs no torch is checked first (an unknown model or GPU: refused in < 1 s)
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         kept = _answers.replay(key, args.command)
         if kept is not None:
             return kept
-        with _answers.recording(key) as rec, quiet_notices(), _warnings_as_lines(args.command):
+        with _answers.recording(key) as rec, quiet_notices(), \
+                _warnings_as_lines(args.command), status(args):
             if hasattr(args, "fields"):  # their types come from TrainingArguments (torch)
                 from .estimate import typed_fields
 

@@ -14,7 +14,7 @@ def recipes_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "recipes", help="list the bundled recipes or validate recipe files",
         description="Recipes are YAML files naming a model, data, seq_len, target batch, "
-                    "method, hardware and TrainingArguments pins (README: Recipes).",
+                    "method, hardware and TrainingArguments pins (docs/cli.md: Recipes).",
         epilog="Examples:\n"
                "  hf-memkit recipes list\n"
                "  hf-memkit recipes validate                       # every bundled recipe\n"

@@ -21,6 +21,7 @@ from typing import NoReturn
 from ..._errors import HfMemkitError
 from ..._estimate import MemoryEstimate, TraceCache, estimate_for
 from ..._estimate.phases import states_for, trained_spec
+from ..._estimate.progress import report
 from ..._methods import Method
 from ..._setup.setup import TrainingSetup, normalize_args
 from ..._techniques import TECHNIQUES
@@ -85,6 +86,7 @@ class Search:
         budget depends on it; ``judge=False`` always (what ``estimate_memory`` reports). With
         the allocator options ``c`` is planned with (``Candidate.allocator``)."""
         spec = self.book.get(c.method, c.precision)[0]
+        report(f"estimating {c.label()}{' (eval)' if stage == 'eval' else ''}")
         return estimate_for(spec, setup or self.setup_of(c), self.req.dev,
                             seq_len=self.req.seq_len, stage=stage, cache=self.cache, probe=probe,
                             cuda_version=self.req.cuda_version,

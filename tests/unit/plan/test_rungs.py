@@ -195,6 +195,8 @@ def test_the_ladder_adds_up_from_the_plain_setup(liger_installed):
         assert r["device_used"] == after.device_used
         assert r["must_fit"] == after.upper
         assert r["saved"] == before.upper - after.upper
+    # the last row is the chosen setup's own figure, as the plan's summary shows it
+    assert p.ladder[-1]["must_fit"] == p.estimate.upper
     back = mk.Plan.from_json(p.to_json())
     assert back.ladder == p.ladder
 
