@@ -18,8 +18,9 @@ $(VENV)/.torch: | $(VENV)/bin/python
 	$(PIP) install -q "$(TORCH_SPEC)"
 	touch $@
 
+# the README's install line: the package with its `all` extra
 $(VENV)/.demo: pyproject.toml constraints.txt $(VENV)/.torch
-	$(PIP) install -q $(CONSTRAINTS) -e ".[plot]"
+	$(PIP) install -q $(CONSTRAINTS) -e ".[all]"
 	touch $@
 
 $(VENV)/.dev: pyproject.toml constraints.txt $(VENV)/.torch

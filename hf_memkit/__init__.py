@@ -1,6 +1,6 @@
 """hf_memkit: predict, plan and watch the memory of Hugging Face transformers training.
 
-Data flow (see README):
+Data flow (see docs/README.md):
     probe_device / get_device -> DeviceInfo
     profile_model             -> ModelProfile
     estimate_memory           -> MemoryEstimate
