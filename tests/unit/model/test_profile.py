@@ -164,10 +164,17 @@ def test_directory_without_config_json(tmp_path):
 
 def test_unknown_model_name_suggests_and_lists():
     with pytest.raises(mk.HfMemkitError) as e:
+        mk.profile_model("Lama-3.1-8B")
+    msg = str(e.value)
+    assert "`Lama-3.1-8B`" in msg and "did you mean `Llama-3.1-8B`" in msg
+    assert "gpt2" in msg and "config.json" in msg
+
+
+def test_unknown_model_size_is_not_suggested_as_another_size():
+    with pytest.raises(mk.HfMemkitError) as e:
         mk.profile_model("Llama-3.1-9B")
     msg = str(e.value)
-    assert "`Llama-3.1-9B`" in msg and "did you mean `Llama-3.1-8B`" in msg
-    assert "gpt2" in msg and "config.json" in msg
+    assert "did you mean" not in msg and "`meta-llama/Llama-3.1-9B`" in msg
 
 
 def test_unknown_task():
