@@ -10,19 +10,10 @@ import re
 
 import pytest
 
-from hf_memkit.commands.main import main
+from tests.unit.commands.test_bad_input import run_cli as run
 
 BASE = ["Llama-3.2-1B", "--gpu", "A100-80GB", "--num-gpus", "2", "--seq-len", "1024",
         "--target-batch", "16"]
-
-
-def run(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_zero3_by_name_writes_what_accelerate_and_deepspeed_read(tmp_path, capsys):
