@@ -173,9 +173,9 @@ class Engine:
     holds_masters = False   # its (sharded) parameters are the optimizer's fp32 masters: the
     #                         trainable weights and gradients take ``master_itemsize`` too
     # the engine's sharding strategies by the names its own library gives them ("zero3",
-    # "fsdp-full-shard"): plan_training(engine=name) plans that stage alone (its offload
-    # rungs included)
-    stages: dict[str, int] = {}
+    # "fsdp-full-shard") -> the names of its rungs that run them: plan_training(engine=name)
+    # plans those rungs alone ("zero3": its offload rungs included; "zero3-offload": those alone)
+    stages: dict[str, tuple[str, ...]] = {}
 
     def selected(self, get) -> bool:
         """Whether TrainingArguments (``get(field)``) ask for this engine."""
@@ -303,9 +303,10 @@ def engine_choices() -> list[str]:
     return ["auto", *(n for e in ENGINES if e.user_facing for n in (e.name, *e.stages))]
 
 
-def engine_stage(name: str) -> tuple[str, int | None]:
-    """The engine and the stage an ``engine=`` value names: ``("deepspeed", 3)`` for
-    ``"zero3"``, ``("fsdp", None)`` (every stage) for ``"fsdp"``."""
+def engine_stage(name: str) -> tuple[str, tuple[str, ...] | None]:
+    """The engine and the rungs an ``engine=`` value names: ``("deepspeed", ("zero3",
+    "zero3-offload-opt", "zero3-offload"))`` for ``"zero3"``, ``("fsdp", None)`` (every rung)
+    for ``"fsdp"``."""
     for e in ENGINES:
         if name in e.stages:
             return e.name, e.stages[name]

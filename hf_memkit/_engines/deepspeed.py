@@ -67,7 +67,10 @@ class DeepSpeed(Engine):
     launch_flag = "--use_deepspeed"
     config_file = "ds_config.json"
     fields = ("deepspeed",)
-    stages = {"zero2": 2, "zero3": 3}   # DeepSpeed's ZeRO stages (ZeRO-1: pin a config)
+    # DeepSpeed's ZeRO stages (ZeRO-1: pin a config); "-offload": to the CPU (the optimizer,
+    # and the parameters where that is not enough)
+    stages = {"zero2": ("zero2",), "zero3": tuple(r.name for r in RUNGS if r.stage == 3),
+              "zero3-offload": tuple(r.name for r in RUNGS if r.offload)}
     split_kind = "sequence"     # Ulysses (ALST) over every rank's ZeRO partitions
     accelerate_type = "DEEPSPEED"
 

@@ -140,8 +140,10 @@ class FSDP(Engine):
     owns_checkpointing = True   # fsdp_config's activation_checkpointing, as transformers asks
     holds_masters = True        # the sharded parameters are the (upcast) fp32 masters
     launch_flag = "--use_fsdp"
-    # accelerate's fsdp_sharding_strategy names (FSDP2: reshard_after_forward True / False)
-    stages = {"fsdp-full-shard": 3, "fsdp-shard-grad-op": 2}
+    # accelerate's fsdp_sharding_strategy names (FSDP2: reshard_after_forward True / False);
+    # "fsdp-offload": full shard with fsdp_offload_params
+    stages = {"fsdp-full-shard": ("fsdp-full", "fsdp-offload"),
+              "fsdp-shard-grad-op": ("fsdp-grad-op",), "fsdp-offload": ("fsdp-offload",)}
     fields = ("fsdp", "fsdp_config", "accelerator_config")
     split_kind = "context"      # torch ring attention over the dp_shard x cp mesh
     accelerate_type = "FSDP"

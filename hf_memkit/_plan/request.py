@@ -121,8 +121,9 @@ class PlanRequest:
         return next(e for e in ENGINES if e.default_sharding)
 
     @property
-    def engine_stage(self) -> int | None:
-        """The one sharding stage asked for by name (``engine="zero3"``: 3), else None."""
+    def engine_stage(self) -> tuple[str, ...] | None:
+        """The rungs of the sharding stage asked for by name (``engine="zero3-offload"``:
+        ``("zero3-offload-opt", "zero3-offload")``), else None."""
         return engine_stage(self.engine)[1]
 
     @property

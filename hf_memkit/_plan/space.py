@@ -216,7 +216,7 @@ def strategies(req: PlanRequest, method: Method) -> list[Rung]:
         return [r.split(req.split) for r in engine.split_rungs() if method.allows_rung(r)]
     rungs = [] if req.engine_stage else [r for e in ENGINES if e.replicates for r in e.rungs()]
     if not engine.replicates:  # a stage asked for by name ("zero3"): that stage's rungs alone
-        rungs += [r for r in engine.rungs() if req.engine_stage in (None, r.stage)]
+        rungs += [r for r in engine.rungs() if r.name in (req.engine_stage or (r.name,))]
     rungs = [r for r in rungs if method.allows_rung(r)]
     dims = req.pinned_dims
     return rungs if dims is None else pinned_dims_rungs(req, method, dims, rungs) or rungs

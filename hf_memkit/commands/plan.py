@@ -69,7 +69,8 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--engine", default=None, choices=engine_choices(), metavar="ENGINE",
                    help="data-parallel engine: auto (default: DDP if a replica fits, else "
                         "FSDP2), ddp, fsdp (FSDP2, either sharding strategy), fsdp-full-shard, "
-                        "fsdp-shard-grad-op, deepspeed (ZeRO-2 or 3), zero2, zero3")
+                        "fsdp-shard-grad-op, fsdp-offload, deepspeed (ZeRO-2 or 3), zero2, "
+                        "zero3, zero3-offload")
     p.add_argument("--host-memory", default=None,
                    help="CPU RAM per node that offload may use, e.g. 512GiB")
     p.add_argument("--seq-len", type=tokens, default=None,

@@ -361,7 +361,9 @@ class Search:
                 say_offload(self, candidates, chosen)
                 return chosen
             if meth.name == "full" and not own_optim and tier == 0 \
-                    and self.req.method == "auto" and len(self.methods) > 1 and not said_full:
+                    and self.req.method == "auto" and len(self.methods) > 1 and not said_full \
+                    and any(c.method == "full" and rung_of(c.parallel).tier == 0
+                            for c in candidates):  # engine="zero3-offload": none was asked for
                 said_full = True
                 self.notes.append("no full fine-tuning setup fits without offloading parameters "
                                   "or optimizer state; falling back to the LoRA family, which "

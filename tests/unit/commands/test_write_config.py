@@ -77,7 +77,8 @@ def test_a_folder_holding_the_files_is_refused_before_the_search(tmp_path, capsy
 def test_an_unknown_engine_lists_the_names(capsys):
     code, _, err = run(["plan", *BASE, "--engine", "zero4"], capsys)
     assert code == 2
-    for name in ("ddp", "fsdp-full-shard", "fsdp-shard-grad-op", "zero2", "zero3"):
+    for name in ("ddp", "fsdp-full-shard", "fsdp-shard-grad-op", "fsdp-offload", "zero2", "zero3",
+                 "zero3-offload"):
         assert name in err
 
 
@@ -89,3 +90,29 @@ def test_plan_training_takes_a_stage_by_name(engine, label):
     plan = mk.plan_training("Llama-3.2-1B", seq_len=1024, target_batch_size=16,
                             device="A100-80GB", num_gpus=2, engine=engine)
     assert plan.chosen.label().startswith(label)
+
+
+@pytest.mark.parametrize("engine", ["zero3-offload", "fsdp-offload"])
+def test_offload_by_name_writes_the_offload_accelerate_and_deepspeed_read(engine, tmp_path,
+                                                                          capsys):
+    # Llama-3.2-1B fits two A100s without offload: the plan offloads only because it was asked
+    from accelerate.commands.config.config_args import ClusterConfig
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    folder = tmp_path / engine
+    code, out, err = run(["plan", *BASE, "--engine", engine, "--write-config", str(folder),
+                          "--json"], capsys)
+    assert code == 0, err
+    doc = json.loads(out[out.index("{\n"):])
+    assert "offload" in doc["chosen"]["label"] and doc["chosen"]["method"] == "full"
+    # no setup without offload was asked for: none "failed" to fit, nothing fell back to LoRA
+    assert not any("LoRA family" in n for n in doc["notes"])
+    cfg = ClusterConfig.from_yaml_file(str(folder / "accelerate_config.yaml"))
+    if engine == "fsdp-offload":
+        assert cfg.distributed_type == "FSDP" and cfg.fsdp_config["fsdp_offload_params"] is True
+        assert not (folder / "ds_config.json").exists()
+        return
+    assert cfg.distributed_type == "DEEPSPEED"
+    zero = DeepSpeedZeroConfig(**json.loads((folder / "ds_config.json").read_text())
+                               ["zero_optimization"])
+    assert zero.stage == 3 and zero.offload_optimizer.device == "cpu"
