@@ -51,3 +51,27 @@ def test_the_gpu_table_reads_its_file(tmp_path, monkeypatch):
 def test_an_unknown_table_name_is_refused(tmp_path):
     with pytest.raises(KeyError):
         tables.update("<!-- table: no-such-table -->\nx\n<!-- /table -->\n")
+
+
+def test_the_sharding_bar_leaves_the_offload_run_out():
+    """On a CPU the offload run holds what full shard holds: it is shown, marked, and left out of
+    the bar's count; the count is the file's other runs."""
+    doc = json.loads(tables.TABLES["sharding-runs"][0].read_text())
+    counted = [r for r in doc["runs"] if not r["offload"]]
+    out = tables.sharding_runs(doc)
+    within = sum(abs(r["error"]) <= 0.08 for r in counted)
+    assert f"{within} of {len(counted)} within the 8% bar" in out.splitlines()[0]
+    offload = [ln for ln in out.splitlines() if "not counted" in ln]
+    assert len(offload) == len(doc["runs"]) - len(counted) >= 1
+
+
+def test_the_community_counts_are_the_ones_the_bench_printed():
+    """The table recounts the bar from the file's rows; the counts equal the summary the bench
+    wrote when it ran (a row field lost on the way would change a verdict)."""
+    doc = json.loads(tables.TABLES["community-configs"][0].read_text())
+    s = doc["summary"]
+    head = tables.community_configs(doc).split("\n\n")[0]
+    assert f"`does not fit`: {len(s['refused'])} / {s['ran']}" in head
+    assert f"called `fits`: {len(s['accepted'])} / {s['oom']}" in head
+    assert f"{100 * s['median_abs_err']:.1f}% over {s['n_err']} rows" in head
+    assert f"A plan for {s['planned']} / {s['ran']}" in head
