@@ -49,6 +49,11 @@ def cases() -> list[dict[str, Any]]:
         _spec("ddp-fp32-adamw-accum2", "ddp", gradient_accumulation_steps=2),
         _spec("fsdp2-full-shard", "fsdp2",
               fsdp={"reshard_after_forward": True, "transformer_layer_cls_to_wrap": wrap}),
+        # FSDP1 (fsdp_config version 1), prepared as accelerate's Accelerator.prepare_model
+        # does: its root unit (embedding, final norm, head) stays gathered through the step
+        _spec("fsdp1-full-shard", "fsdp2",
+              fsdp={"version": 1, "reshard_after_forward": True,
+                    "transformer_layer_cls_to_wrap": wrap}),
         _spec("fsdp2-shard-grad-op", "fsdp2",
               fsdp={"reshard_after_forward": False, "transformer_layer_cls_to_wrap": wrap}),
         # accumulating with a reduce-scatter every micro-batch (accelerate's sync_each_batch,

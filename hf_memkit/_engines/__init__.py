@@ -32,7 +32,14 @@ from .base import (
     engine_stage,
 )
 from .deepspeed import deepspeed_config_for, validate_deepspeed_config
-from .dims import ParallelDims, dims_problems, engine_problems, read_dims, settled
+from .dims import (
+    ParallelDims,
+    all_ones,
+    dims_problems,
+    engine_problems,
+    read_dims,
+    settled,
+)
 from .fsdp import FSDP_CONFIG_KEYS, fsdp_config_for, fsdp_plugin_args, validate_fsdp_config
 from .launch import comm_bytes_per_step, comm_seconds, launch_commands
 
@@ -54,6 +61,12 @@ def sharding_from_args(get, num_gpus: int | None) -> tuple[Sharding, ParallelDim
         notes.append(f"{'/'.join(e.name for e in ENGINES if e.sharded)} given without num_gpus: "
                      "estimated for 1 rank; pass num_gpus=N for the per-rank memory of N ranks")
     name = chosen[0].name if chosen else "ddp" if world > 1 else "none"
+    if all_ones(given, world):
+        notes.append(f"parallelism_config of all ones on {world} processes: accelerate builds "
+                     "no device mesh for it and runs plain data parallelism over every process "
+                     f"(ParallelismConfig._validate_accelerator; under DDP dp_replicate_size="
+                     f"{world})")
+        given = None
     if given is not None:
         problems = dims_problems(given, processes=world, engine=name)
         if problems:

@@ -43,6 +43,10 @@ class Sharding:
     allgather_bucket: int = 0            # DeepSpeed allgather_bucket_size (ZeRO-1/2)
     prefetch_bucket: int = 0             # DeepSpeed stage3_prefetch_bucket_size
     max_live: int = 0                    # DeepSpeed stage3_max_live_parameters
+    sub_group: int = 0                   # DeepSpeed sub_group_size (ZeRO-3 steps one at a time)
+    fsdp_version: int = 2                # fsdp_config's version (1: FlatParameter FSDP)
+    overlap_comm: bool = False           # DeepSpeed ZeRO-1/2 overlap_comm: two reduce buffers
+    grad_accum_itemsize: int = 0         # DeepSpeed data_types.grad_accum_dtype (0: the model's)
     replicas: int = 1                    # HSDP: replicas of the sharded group (dp_replicate)
 
     def label(self) -> str:
@@ -94,6 +98,9 @@ class StateSizes:
     quant_constants: int = 0     # their absmax blocks: the quant_state, not a parameter
     storage_floating: bool = False  # bnb_4bit_quant_storage is a float dtype (shardable)
     upcast: int = 0              # trainable elements held in fp32 instead of their load dtype
+    # the optimizer's step temporaries on the one flat tensor the engine steps at a time
+    # (``Engine.stepped_elements``; 0 where it steps the parameters themselves)
+    flat_transient: int = 0
 
 
 @dataclass(frozen=True)
@@ -207,6 +214,13 @@ class Engine:
         (the optimizer's state follows its dtype); ``quantized_4bit``: the base is 4-bit."""
         return itemsize
 
+    def stepped_elements(self, sh: Sharding, n_trainable: int, facts: Any) -> int:
+        """The elements of the one flat fp32 tensor the optimizer steps at a time where the
+        engine hands it flat partitions instead of the model's parameters (DeepSpeed ZeRO-3's
+        sub-groups); 0: it steps the parameters themselves. The estimator prices the
+        optimizer's temporaries on that tensor (``StateSizes.flat_transient``)."""
+        return 0
+
     def reference_share(self, sh: Sharding, ref: ReferenceSizes, facts: Any) -> tuple[int, int]:
         """(bytes one rank holds of a trainer's frozen reference model through the step, bytes
         its forward gathers on top): a replica on every rank by default."""
@@ -250,6 +264,13 @@ class Engine:
         partitioned as it loads (``zero.Init``). TRL branches on it: a PEFT model's adapters
         keep the base's dtype, and generation gathers the whole model at once."""
         return False
+
+    def resident_at_init_fraction(self, sh: Sharding) -> float:
+        """The fraction of the model's weights on this rank's device while a trainer's
+        ``__init__`` runs, before ``accelerator.prepare`` (where TRL builds a colocated vLLM):
+        the whole model here, since the Trainer moves it to the device in its ``__init__``
+        (transformers ``trainer.py``: ``Trainer.__init__``, ``place_model_on_device``)."""
+        return 1.0
 
     def parallel_notes(self, sh: Sharding, dims: ParallelDims) -> list[str]:
         """What an estimate says of the engine composed with ``dims``' tensor, context or

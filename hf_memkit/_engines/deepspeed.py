@@ -42,6 +42,7 @@ from .dims import ParallelDims
 
 # DeepSpeed defaults the planner writes explicitly (HF's "auto" values: hidden^2 and 0.9 hidden^2).
 DS_ALLGATHER_BUCKET = int(5e8)
+SUB_GROUP = int(1e9)   # DeepSpeedZeroConfig.sub_group_size's default
 HALF = ("bf16", "fp16")  # DeepSpeed is planned in 16-bit with fp32 master weights
 RUNGS = [Rung("zero2", "ZeRO-2", "deepspeed", 2, precisions=HALF),
          Rung("zero3", "ZeRO-3", "deepspeed", 3, shards_params=True, precisions=HALF),
@@ -54,6 +55,13 @@ RUNGS = [Rung("zero2", "ZeRO-2", "deepspeed", 2, precisions=HALF),
 def _zero_num(z: dict[str, Any], key: str, default: int) -> int:
     v = z.get(key, default)
     return default if v == "auto" else int(float(v))
+
+
+def _grad_accum_itemsize(cfg: dict[str, Any]) -> int:
+    """``data_types.grad_accum_dtype`` in bytes (``DeepSpeedEngine.get_data_types``: the model's
+    dtype unless it is set; 0 = the model's)."""
+    name = str((cfg.get("data_types") or {}).get("grad_accum_dtype") or "").lower()
+    return {"fp32": 4, "float32": 4, "fp16": 2, "bf16": 2, "bfloat16": 2}.get(name, 0)
 
 
 def _on_host(z: dict[str, Any], key: str) -> bool:
@@ -89,7 +97,12 @@ class DeepSpeed(Engine):
                         prefetch_bucket=_zero_num(z, "stage3_prefetch_bucket_size", int(5e7))
                         if stage == 3 else 0,
                         max_live=_zero_num(z, "stage3_max_live_parameters", int(1e9))
-                        if stage == 3 else 0)
+                        if stage == 3 else 0,
+                        sub_group=_zero_num(z, "sub_group_size", SUB_GROUP) if stage == 3 else 0,
+                        # DeepSpeedZeroConfig: overlap_comm defaults on for stage 3 only
+                        overlap_comm=base.truthy(z.get("overlap_comm", stage == 3)) and stage < 3,
+                        grad_accum_itemsize=_grad_accum_itemsize(base.load_json(
+                            get("deepspeed"), "deepspeed")))
 
     def label(self, sh: Sharding) -> str:
         return f"DeepSpeed ZeRO-{sh.stage} x{sh.world_size}{base.offload_suffix(sh)}"
@@ -111,7 +124,11 @@ class DeepSpeed(Engine):
         # (stage3 _create_fp32_partitions; stage_1_and_2 single_partition_of_fp32_groups)
         master = 4 * t if half or stage >= 1 else 0
         g16 = p * t                                      # gradients in the training dtype
-        g32 = (4 * t if stage < 3 else 2 * t) if half else 0  # fp32 gradient partitions
+        g32 = 4 * t if half else 0                       # ZeRO-1/2: fp32 gradient partitions
+        # ZeRO-3 keeps one flat buffer of gradient partitions in the gradient-accumulation
+        # dtype (stage3.py _setup_for_real_optimizer: grad_partitions_flat_buffer, dtype
+        # gradient_accumulation_dtype = the model's unless data_types.grad_accum_dtype is set)
+        ga = sh.grad_accum_itemsize or p
         params16 = p * psi
         gathered = 2 * facts.module_params * p if stage == 3 else 0
         o_all = sizes.optimizer_state
@@ -123,10 +140,17 @@ class DeepSpeed(Engine):
             o = base.ceil_div(o_all, n)
         else:
             w = base.ceil_div(params16 + master, n) + gathered
-            g, o = base.ceil_div(g16 + g32, n), base.ceil_div(o_all, n)
+            g, o = base.ceil_div(ga * t, n), base.ceil_div(o_all, n)
         tr = sizes.optimizer_transient
         r = RankStates(w, g, o, base.ceil_div(tr, n) if stage >= 1 else tr)
-        r.buckets = (sh.reduce_bucket + sh.allgather_bucket + sh.prefetch_bucket) * p
+        largest = _largest_trainable(facts, t)
+        group = self.stepped_elements(sh, t, facts)
+        if group:
+            r.optimizer_transient = _zero3_step_transient(group, ga, sizes.flat_transient)
+        # ZeRO-1/2's setup_buckets (stage_1_and_2.py): one reduce buffer of reduce_bucket_size,
+        # a second with overlap_comm ("double buffers to avoid data access conflict")
+        reduce = sh.reduce_bucket * (2 if sh.overlap_comm else 1)
+        r.buckets = (reduce + sh.allgather_bucket + sh.prefetch_bucket) * p
         if stage == 3 and not sh.offload_optimizer:
             # _setup_for_real_optimizer allocates every gradient partition as one flat buffer
             # (grad_partitions_flat_buffer) before the first step: alive in every phase
@@ -143,6 +167,8 @@ class DeepSpeed(Engine):
             r.weights = (params16 if stage < 3 else base.ceil_div(params16, n) + gathered)
             r.gradients = g16 if stage == 1 else 0
             r.optimizer = r.optimizer_transient = 0
+        if sh.offload_optimizer and stage in (1, 2) and half:
+            _offload_grad_copies(r, largest, base.ceil_div(t, n))
         if sh.offload_params and stage == 3:
             r.host += base.ceil_div(params16, n)
             r.weights = gathered
@@ -150,6 +176,17 @@ class DeepSpeed(Engine):
 
     def master_itemsize(self, sh: Sharding, itemsize: int, quantized_4bit: bool) -> int:
         return 4 if sh.mixed_precision else itemsize  # the fp32 master partitions
+
+    def stepped_elements(self, sh: Sharding, n_trainable: int, facts: Any) -> int:
+        # ZeRO-3 steps its partition one sub-group at a time (stage3.py _create_fp16_sub_groups:
+        # a sub-group closes at the parameter that takes it to sub_group_size elements of this
+        # rank's partition, so it can pass that size by one parameter's partition); with
+        # offload_optimizer the step runs on the host
+        if sh.stage != 3 or sh.offload_optimizer:
+            return 0
+        n = max(1, sh.world_size)
+        return min(base.ceil_div(n_trainable, n), (sh.sub_group or SUB_GROUP)
+                   + base.ceil_div(_largest_trainable(facts, n_trainable), n))
 
     def reference_share(self, sh: Sharding, ref: ReferenceSizes, facts: Any) -> tuple[int, int]:
         p = 2 if sh.mixed_precision else ref.load_itemsize   # the engine casts it to 16-bit
@@ -203,6 +240,12 @@ class DeepSpeed(Engine):
     def zero3_enabled(self, sh: Sharding) -> bool:
         return sh.stage == 3
 
+    def resident_at_init_fraction(self, sh: Sharding) -> float:
+        # the Trainer leaves the model where it loaded under DeepSpeed (place_model_on_device);
+        # ZeRO-3's zero.Init has partitioned it onto the device as it loaded, 1/N a rank, or
+        # onto the host with offload_param (partition_parameters.py: Init, remote_device)
+        return 1.0 / max(1, sh.world_size) if sh.stage == 3 and not sh.offload_params else 0.0
+
     # -- sequence parallelism (Ulysses): the planner's split of each sequence ------------------
     def sequence_splits(self, degree: int, heads: Any) -> list[ParallelDims]:
         h = heads()
@@ -225,6 +268,46 @@ class DeepSpeed(Engine):
 
 
 DEEPSPEED_ENGINE = register(DeepSpeed())
+
+
+def _largest_trainable(facts: Any, trainable: int) -> int:
+    """The elements of the largest trainable parameter: the largest module's own parameters
+    (an embedding or a head in full fine-tuning), at most what one layer or the tail trains
+    (a LoRA layer's adapters)."""
+    if facts is None:
+        return trainable
+    return min(facts.module_params, max(facts.layer_trainable, facts.tail_trainable) or
+               facts.module_params, trainable)
+
+
+def _zero3_step_transient(group: int, ga: int, flat_transient: int) -> int:
+    """What ZeRO-3's step adds on the GPU for its largest sub-group of ``group`` elements, one
+    sub-group at a time (stage3.py ``step``: ``_prepare_fp32_grad_for_sub_group``,
+    ``_optimizer_step``, ``_release_sub_group``). ``_prepare_fp32_grad_for_sub_group`` flattens
+    the sub-group's gradient partitions (a copy in the gradient-accumulation dtype, ``ga`` bytes)
+    and casts it to fp32 (``.to(fp32_partitioned_groups_flat[i].dtype)``; no copy when ``ga`` is
+    already 4), which stays as that fp32 partition's ``.grad`` through the optimizer's step on it
+    (``flat_transient``: its temporaries on that one flat tensor) until the sub-group is
+    released."""
+    cast = (ga + 4) * group if ga != 4 else 4 * group
+    return max(cast, 4 * group + flat_transient)
+
+
+def _offload_grad_copies(r: RankStates, largest: int, partition: int) -> None:
+    """ZeRO-1/2 with ``offload_optimizer`` in 16-bit (stage_1_and_2.py, DeepSpeed 0.19.8):
+    ``__init__`` keeps ``temp_grad_buffer_for_gpu_offload``, a 16-bit buffer the size of the
+    largest parameter, on the GPU for the run. In the backward, ``copy_grads_in_partition`` takes
+    each reduced gradient's slice of this rank's partition and, on the GPU, first casts it to the
+    norm dtype (``set_norm_for_param_grad_in_gpu``: ``.to(get_norm_dtype()).norm(2)``, fp64 where
+    the device has it: 8 bytes an element), then to the fp32 master dtype before the host copy
+    (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``: ``src_tensor.to(self.master_weights_
+    and_grads_dtype)``, 4 bytes). One after the other: the larger, at a parameter as large as
+    the partition allows (an embedding or a head), is the transient."""
+    r.buckets += 2 * largest
+    r.grad_buffers += 8 * min(largest, partition)
+    r.notes.append("ZeRO offload: a 16-bit buffer of the largest parameter stays on the GPU, and "
+                   "each gradient slice is cast on the GPU (fp64 for its norm, fp32 for the host "
+                   "copy) before it goes to the host")
 
 
 def deepspeed_config_for(sh: Sharding, *, micro_batch: int, grad_accum: int, precision: str,

@@ -219,23 +219,40 @@ def engine_problems(dims: ParallelDims, engine: str) -> list[str]:
     """What ``engine`` cannot run of ``dims`` (context parallelism needs FSDP2, sequence
     parallelism DeepSpeed, ...)."""
     out = []
+    # hf_memkit's own choices (accelerate's ParallelismConfig accepts these layouts, and its
+    # Accelerator.prepare applies TP and CP whatever the engine): what is run in practice and
+    # what hf_memkit models
+    ours = "accelerate accepts the layout, but hf_memkit estimates only "
     if dims.cp > 1 and engine != "fsdp":
-        out.append(f"cp_size={dims.cp}: context parallelism runs on FSDP2 (torch ring attention "
-                   "over the dp_shard_cp mesh); add fsdp='full_shard' with "
-                   "fsdp_config={'version': 2}")
+        out.append(f"cp_size={dims.cp} without FSDP2: {ours}context parallelism on FSDP2 "
+                   "(torch ring attention over the dp_shard_cp mesh, the one accelerate "
+                   "documents it with); add fsdp='full_shard' with fsdp_config={'version': 2}")
     if dims.sp > 1 and engine != "deepspeed":
-        out.append(f"sp_size={dims.sp}: sequence parallelism (ALST / Ulysses) runs on DeepSpeed; "
-                   "add a deepspeed config (ZeRO stage 1-3)")
+        out.append(f"sp_size={dims.sp}: sequence parallelism (ALST / Ulysses) runs on DeepSpeed "
+                   "(accelerate's sp_backend is 'deepspeed'); add a deepspeed config (ZeRO stage "
+                   "1-3)")
     if engine == "fsdp" and dims.dp_shard == 1 and dims.cp == 1 and dims.total > 1:
         out.append("FSDP with dp_shard_size=1 and cp_size=1 has no dimension to shard across "
-                   "(accelerate); raise dp_shard_size or launch without the FSDP config")
+                   "(accelerate refuses it); raise dp_shard_size or launch without the FSDP "
+                   "config")
     if dims.tp > 1 and engine == "deepspeed":
-        out.append(f"tp_size={dims.tp} under DeepSpeed: accelerate's tensor parallelism runs "
-                   "with FSDP2 or alone; drop the deepspeed config or tp_size")
+        out.append(f"tp_size={dims.tp} under DeepSpeed: {ours}tensor parallelism with FSDP2 or "
+                   "alone (ZeRO's partitioning of TP-sharded weights is not modelled); drop the "
+                   "deepspeed config or tp_size")
     if dims.dp_replicate > 1 and engine == "deepspeed":
-        out.append("dp_replicate_size > 1 under DeepSpeed: ZeRO shards over every data-parallel "
-                   "rank; use dp_shard_size")
+        out.append(f"dp_replicate_size={dims.dp_replicate} under DeepSpeed: {ours}ZeRO over "
+                   "every data-parallel rank (DeepSpeed keeps its own data-parallel group and "
+                   "does not replicate over accelerate's mesh); use dp_shard_size")
     return out
+
+
+def all_ones(dims: ParallelDims | None, processes: int) -> bool:
+    """A ``parallelism_config`` of all ones on several processes: accelerate makes it plain
+    data parallelism. ``build_device_mesh`` builds no mesh (no active dimension), and
+    ``ParallelismConfig._validate_accelerator`` accepts it: under DDP it sets
+    ``dp_replicate_size`` to the number of processes ("to ensure DDP works"); under FSDP2 and
+    DeepSpeed (not ``multi_device``) it returns before any check."""
+    return dims is not None and dims.total == 1 and processes > 1
 
 
 def settled(dims: ParallelDims | None, processes: int, engine: str) -> ParallelDims:

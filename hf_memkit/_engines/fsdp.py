@@ -160,18 +160,25 @@ class FSDP(Engine):
                         offload_optimizer=offload, mixed_precision=bool(get("bf16") or get("fp16")),
                         sync_each_batch=base.sync_each_batch(get),
                         activation_checkpointing=base.truthy(cfg.get("activation_checkpointing",
-                                                                False)))
+                                                                False)),
+                        fsdp_version=int(cfg.get("version", 2)))   # transformers' default: 2
 
     def label(self, sh: Sharding) -> str:
         kind = "full shard" if sh.stage == 3 else "shard-grad-op"
         hsdp = f" (HSDP: {sh.replicas} replicas)" if sh.replicas > 1 else ""
-        return f"FSDP2 {kind} x{sh.world_size}{hsdp}{base.offload_suffix(sh)}"
+        return f"FSDP{sh.fsdp_version} {kind} x{sh.world_size}{hsdp}{base.offload_suffix(sh)}"
 
     def rungs(self) -> list[Rung]:
         return list(RUNGS)
 
     def notes(self, sh: Sharding, device_kind: str) -> list[str]:
         out = super().notes(sh, device_kind)
+        if sh.fsdp_version == 1:
+            out.append("FSDP1 (deprecated in transformers and accelerate): the root unit (the "
+                       "embedding, final norm and head) stays gathered through the step; "
+                       "accelerate upcasts every "
+                       "FlatParameter that trains to fp32 (with PEFT only the adapters' own "
+                       "units, which transformers wraps apart)")
         if device_kind != "cuda":
             out.append("FSDP through the Trainer needs CUDA: on a CPU, accelerate drops the FSDP "
                        "plugin and the Trainer silently trains DDP replicas; this estimate is "
@@ -181,7 +188,10 @@ class FSDP(Engine):
 
     def master_itemsize(self, sh: Sharding, itemsize: int, quantized_4bit: bool) -> int:
         # fsdp2_prepare_model: `mixed_precision != "no" and not model_has_params4bit` upcasts
-        # every trainable parameter that is not fp32
+        # every trainable parameter that is not fp32; FSDP1 (Accelerator.prepare_model) upcasts
+        # every FlatParameter that requires grad, a 4-bit model's too
+        if sh.fsdp_version == 1:
+            return 4 if sh.mixed_precision else itemsize
         return 4 if sh.mixed_precision and not quantized_4bit else itemsize
 
     def rank_states(self, sh: Sharding, sizes: StateSizes, facts: Any,
@@ -200,7 +210,9 @@ class FSDP(Engine):
         # coexist
         unit = max((tail, facts.tail_trainable * red),
                    (2 * layer, 2 * facts.layer_trainable * red), key=sum)
-        if sh.stage == 3:
+        if sh.stage == 3 and sh.fsdp_version == 1:
+            fwd, bwd = _fsdp1_root(facts, gather, layer, in_flight, unit)
+        elif sh.stage == 3:
             fwd, bwd = tail + in_flight * layer, unit[0]
         else:  # every layer stays gathered from its forward to its backward
             packed = sizes.packed_4bit if sizes.storage_floating else 0
@@ -242,6 +254,9 @@ class FSDP(Engine):
 
     def grads_sharded(self, sh: Sharding) -> bool:
         return True
+
+    def resident_at_init_fraction(self, sh: Sharding) -> float:
+        return 0.0  # the Trainer leaves it on the host until prepare (place_model_on_device)
 
     def traces_half(self, sh: Sharding) -> bool:
         # accelerate's MixedPrecisionPolicy gathers 16-bit parameters, and the Trainer adds no
@@ -328,6 +343,28 @@ class FSDP(Engine):
 _FSDP_YAML = {"cpu_offload": "fsdp_offload_params", "version": "fsdp_version"}
 
 FSDP_ENGINE = register(FSDP())
+
+
+def _fsdp1_root(facts: Any, gather: int, layer: int, in_flight: int,
+                unit: tuple[int, int]) -> tuple[int, int]:
+    """FSDP1's full shard (``FullyShardedDataParallel`` as accelerate wraps it: one FSDP unit
+    per ``transformer_layer_cls_to_wrap`` layer, the root unit holding every parameter in no
+    layer: the embedding, the final norm and the head). Returns the gathered bytes at the
+    forward's and at the backward's peak.
+
+    ``torch/distributed/fsdp/_runtime_utils.py`` ``_post_forward_reshard`` does not free the
+    root's parameters after the forward ("with the intention that they are immediately used for
+    backward"): the whole root stays gathered from its pre-forward to its post-backward, where
+    FSDP2 (accelerate's units: the embedding alone, [norm, head]) frees the embedding after its
+    forward. The backward holds what FSDP2's does (``unit``) and the rest of the root. Measured
+    on 2 gloo ranks (bench/_dist_cases.py ``fsdp1-full-shard`` against ``fsdp2-full-shard``): the
+    step's peak is 8.3 MB higher, the fp32 embedding (8.4 MB).
+
+    With PEFT, transformers (``update_fsdp_plugin_peft``) wraps each trainable leaf module
+    (peft's ``fsdp_auto_wrap_policy``: the LoRA A and B) as a unit of its own, so the layers' and
+    the root's FlatParameters hold only frozen weights and are not upcast."""
+    rest = (facts.root_params - facts.tail_params) * gather
+    return facts.root_params * gather + in_flight * layer, unit[0] + rest
 
 
 def fsdp_config_for(sh: Sharding, layer_class: str | None, *, checkpointing: bool) -> dict[str, Any]:

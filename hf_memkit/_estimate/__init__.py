@@ -29,11 +29,11 @@ from .._cuda.runtime import parse_cuda_version
 from .._device.precision import precision_issues
 from .._device.probe import resolve_device
 from .._engines import Sharding
-from .._errors import ConfigError
+from .._errors import ConfigError, HfMemkitError
 from .._model.spec import resolve_model
 from .._setup.setup import normalize_args
 from .._trainers.fused_head import with_completion
-from .._trainers.packing import MAX_TOKENS, with_lengths
+from .._trainers.packing import MAX_TOKENS, token_counts, with_lengths
 from .activations import TraceCache
 from .assemble import estimate_for
 from .budget import headroom_problem, max_memory_problem, memory_budget, resolve_headroom
@@ -57,6 +57,22 @@ def _trainer_rows(setup: Any, lengths: Sequence[int] | None, seq_len: int | None
                                "arguments carry no max_length; pass seq_len=<the longest "
                                "sequence of a batch>"], source="estimate_memory")
     return with_completion(setup, completion_len, seq_len), seq_len, name
+
+
+def _longest_completion(completion_len: Any, completion_lengths: Any) -> Any:
+    """``completion_len``, or the longest of ``completion_lengths`` (the completions' token
+    counts: a padded batch is as wide as its longest completion); both given is refused."""
+    if completion_lengths is None:
+        return completion_len
+    try:
+        counts = token_counts(completion_lengths)
+    except HfMemkitError as exc:
+        raise ConfigError([f"completion_lengths: {exc}"], source="estimate_memory") from None
+    if completion_len is not None:
+        raise ConfigError([f"completion_len={completion_len} and completion_lengths are both "
+                           "given: completion_lengths stands for its longest; give one"],
+                          source="estimate_memory")
+    return max(counts)
 
 
 def _problems(seq_len: Any, stage: Any, target_len: Any, seq_name: str = "seq_len") -> list[str]:
@@ -126,7 +142,8 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,
                     max_memory: int | str | None = None, trainer: str | None = None,
                     ref_model: bool | None = None,
                     lengths: Sequence[int] | None = None,
-                    completion_len: int | None = None) -> MemoryEstimate:
+                    completion_len: int | None = None,
+                    completion_lengths: Sequence[int] | None = None) -> MemoryEstimate:
     """Predict the peak memory of one training or eval step of `model` on a device.
 
     The estimate is for the target device: the model states come from the parameter list, and
@@ -214,7 +231,13 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,
         completion_len (`int`, *optional*):
             SFT with `completion_only_loss` / `assistant_only_loss`, DPO: the labelled tokens
             of a row, which alone TRL's head scores on CUDA (`_trainers.fused_head`); without
-            it every position is scored (an upper bound).
+            it every position is scored (an upper bound). GRPO / RLOO: the longest completion
+            a generation batch holds (every row is padded to it), at most
+            `max_completion_length`; without it, `max_completion_length` (the safe bound).
+        completion_lengths (`Sequence[int]`, *optional*):
+            Instead of `completion_len`: the completions' token counts (a distribution, e.g.
+            from a previous run's logs); the estimate takes the longest, since a padded batch
+            peaks there and any batch may hold it (their mean does not move the peak).
 
     Returns:
         `MemoryEstimate`: the step's predicted memory in bytes (`peak_allocated`,
@@ -225,8 +248,8 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,
     Raises:
         ConfigError: Every problem of the inputs at once: `seq_len` missing or not a positive
             integer of at most 2**24 tokens, `lengths` with `seq_len`, an unknown `stage`, a
-            bad `target_len`, `cuda_version`, `headroom`, `max_memory`, `num_gpus` or
-            `completion_len`, and the problems of `args` (`bf16` with `fp16`, an unknown
+            bad `target_len`, `cuda_version`, `headroom`, `max_memory`, `num_gpus`,
+            `completion_len` or `completion_lengths` (or both given), and the problems of `args` (`bf16` with `fp16`, an unknown
             optimizer, ...).
         HfMemkitError: An unknown model, device or trainer, a TRL trainer that is not
             modelled, a `dtype` weights cannot be loaded in, or a quantized base without
@@ -240,6 +263,7 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,
     setup = normalize_args(args, source="args", num_gpus=num_gpus, trainer=trainer,
                            ref_model=ref_model)
     batch = _batch_problems(args, setup, sharding)
+    completion_len = _longest_completion(completion_len, completion_lengths)
     setup, seq_len, seq_name = _trainer_rows(setup, lengths, seq_len, completion_len)
     headroom = _checked(seq_len, stage, target_len, seq_name, cuda_version, headroom,
                         max_memory, batch)

@@ -24,7 +24,12 @@ import torch
 from .._device.probe import DeviceInfo
 from .._engines import RankStates, ReferenceSizes, StateSizes, rank_states
 from .._model.spec import ModelSpec
-from .._optimizers import OptimizerContext, OptimizerMemory, get_optimizer_profile
+from .._optimizers import (
+    OptimizerContext,
+    OptimizerMemory,
+    ParamInfo,
+    get_optimizer_profile,
+)
 from .._setup.setup import TrainingSetup
 from .._techniques import TECHNIQUES
 from .._units import format_bytes
@@ -47,8 +52,17 @@ def states_for(spec: ModelSpec, setup: TrainingSetup,
     master = [dataclasses.replace(p, itemsize=engine.master_itemsize(sh, p.itemsize,
                                                                      spec.quant_bits == 4))
               for p in trainable]
-    om = get_optimizer_profile(setup.optim).estimate(
-        master, OptimizerContext(device_kind=dev.kind, optim_args=setup.optim_args))
+    profile = get_optimizer_profile(setup.optim)
+    om = profile.estimate(master, OptimizerContext(device_kind=dev.kind,
+                                                   optim_args=setup.optim_args))
+    facts = spec.facts() if engine.sharded else None
+    # an engine that steps flat fp32 partitions (ZeRO-3's sub-groups): the optimizer's
+    # temporaries on one such tensor, as a parameter of its own
+    flat = engine.stepped_elements(sh, sum(p.numel for p in trainable), facts)
+    flat_transient = profile.estimate(
+        [ParamInfo(flat, (flat,), 4)], OptimizerContext(device_kind=dev.kind, num_groups=1,
+                                                        optim_args=setup.optim_args)
+    ).transient if flat else 0
     held = master if engine.holds_masters else trainable
     parts = spec.weight_parts()
     # tensor parallelism: the vocab-split input embedding's gradient is a Replicate DTensor of
@@ -62,8 +76,7 @@ def states_for(spec: ModelSpec, setup: TrainingSetup,
                        packed_4bit=parts.packed_4bit, quant_constants=parts.quant_constants,
                        storage_floating=parts.storage_floating,
                        upcast=sum(p.numel for m, p in zip(held, trainable, strict=True)
-                                  if m.itemsize != p.itemsize))
-    facts = spec.facts() if engine.sharded else None
+                                  if m.itemsize != p.itemsize), flat_transient=flat_transient)
     return rank_states(sh, sizes, facts=facts, device_kind=dev.kind), om
 
 

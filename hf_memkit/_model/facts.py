@@ -34,6 +34,7 @@ class ModelFacts:
     layer_trainable: int = 0   # trainable parameters of that layer (all of it, or its adapters)
     tail_trainable: int = 0    # ... of the tail unit
     layer_quantizable: int = 0  # weights of that layer's linears a 4-bit base quantizes
+    root_params: int = 0       # parameters in no layer (embedding, final norm, head): FSDP1's root
 
 
 def model_facts(meta: torch.nn.Module) -> ModelFacts:
@@ -61,8 +62,10 @@ def model_facts(meta: torch.nn.Module) -> ModelFacts:
 
     quantizable = sum(lin.weight.numel() for _, lin in quantizable_linears(largest)) \
         if largest is not None else 0
+    in_layers = {id(p) for m in layers for p in m.parameters()}
+    root = sum(n for i, n in seen.items() if i not in in_layers)
     return ModelFacts(sum(seen.values()), layer_params, tail, module_params, layer_cls, tied,
-                      trainable(largest), trainable(out), quantizable)
+                      trainable(largest), trainable(out), quantizable, root)
 
 
 def layer_count(config: Any) -> int:

@@ -223,26 +223,26 @@ def positive_number(text: str) -> float:
 LENGTHS_CAP = 256 * 2**20  # bytes of a --lengths file: ~40 million rows of 6-digit counts
 
 
-def read_lengths(path: str | None) -> list[int] | None:
-    """``--lengths FILE``: a JSON list of integers, or one integer per line (blank lines and
-    ``#`` comments skipped); a regular UTF-8 file of at most ``LENGTHS_CAP`` bytes (a FIFO or
-    /dev/zero is refused, not read). The values are checked by the API (``estimate_memory``,
-    ``plan_training``)."""
+def read_lengths(path: str | None, flag: str = "--lengths") -> list[int] | None:
+    """``--lengths FILE`` (or ``flag``: ``--completion-lengths``): a JSON list of integers, or
+    one integer per line (blank lines and ``#`` comments skipped); a regular UTF-8 file of at
+    most ``LENGTHS_CAP`` bytes (a FIFO or /dev/zero is refused, not read). The values are
+    checked by the API (``estimate_memory``, ``plan_training``)."""
     if path is None:
         return None
     what = "a file of the rows' token counts, one per line or a JSON list"
-    data = read_user_file(path, what=what, cap=LENGTHS_CAP, name=f"--lengths {excerpt(path)}")
+    data = read_user_file(path, what=what, cap=LENGTHS_CAP, name=f"{flag} {excerpt(path)}")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise HfMemkitError(f"--lengths {excerpt(path)}: not UTF-8 text (byte "
+        raise HfMemkitError(f"{flag} {excerpt(path)}: not UTF-8 text (byte "
                             f"0x{data[exc.start]:02x} at offset {exc.start}); give {what}"
                             ) from None
     if text.lstrip().startswith("["):
         try:
             return json.loads(text)
         except ValueError as exc:  # JSONDecodeError, or an integer of over 4300 digits
-            raise HfMemkitError(f"--lengths {excerpt(path)}: not a JSON list of integers "
+            raise HfMemkitError(f"{flag} {excerpt(path)}: not a JSON list of integers "
                                 f"({excerpt(exc)})") from None
     out = []
     for n, line in enumerate(text.splitlines(), 1):
@@ -252,7 +252,7 @@ def read_lengths(path: str | None) -> list[int] | None:
         try:
             out.append(int(line))
         except ValueError:
-            raise HfMemkitError(f"--lengths {excerpt(path)}, line {n}: {quoted(line)} is not an "
+            raise HfMemkitError(f"{flag} {excerpt(path)}, line {n}: {quoted(line)} is not an "
                                 "integer; give one token count per line (or a JSON list)"
                                 ) from None
     return out
@@ -309,6 +309,10 @@ def estimate_parser(sub) -> argparse.ArgumentParser:
                    help="the rows' token counts, one integer per line or a JSON list, instead "
                         "of --seq-len: a padded batch at its longest row; with --trainer sft "
                         "and padding_free/packing, the fullest micro-batch of them")
+    p.add_argument("--completion-lengths", default=None, metavar="FILE",
+                   help="with --trainer grpo/rloo: the completions' token counts (one per line "
+                        "or a JSON list, e.g. from a previous run's logs): estimated at the "
+                        "longest, at most max_completion_length (default: the cap)")
     p.add_argument("--batch", type=samples, default=None,
                    help="per_device_train_batch_size")
     p.add_argument("--task", default=None, metavar="TASK", choices=task_choices(),
@@ -389,7 +393,11 @@ def add_trainer_option(p: argparse.ArgumentParser) -> None:
                    help="trainer (transformers.Trainer, the default), sft (TRL's SFTTrainer: "
                         "its fused log-prob head, SFTConfig's fields and defaults: bf16 and "
                         "checkpointing on), dpo (DPOTrainer: chosen + rejected rows, a "
-                        "reference model), grpo (GRPOTrainer) or rloo (RLOOTrainer): "
+                        "reference model), kto (KTOTrainer: a row and a KL row per example, "
+                        "a reference model), reward (RewardTrainer: chosen + rejected rows of a "
+                        "one-output classifier, --task sequence-classification), grpo "
+                        "(GRPOTrainer), rloo (RLOOTrainer) or distillation "
+                        "(DistillationTrainer: a teacher the student's size): "
                         "generation, scoring and training phases, --seq-len the longest "
                         "prompt, max_completion_length=N, use_vllm=true for a colocated vLLM; "
                         "needs pip install 'hf-memkit[trl]'")
@@ -421,6 +429,10 @@ def estimate_command(args: argparse.Namespace) -> int:
         if lengths is not None:
             raise HfMemkitError("--lengths estimates the batches of those rows; --max-batch and "
                                 "--max-seq-len search one length: give --seq-len instead")
+        if args.completion_lengths is not None:
+            raise HfMemkitError("--completion-lengths applies to one estimate; --max-batch and "
+                                "--max-seq-len search at max_completion_length: set that field "
+                                "to the longest completion instead")
 
         seq_len = seq_len or fields["max_length"]
         kw = dict(device=args.gpu, headroom=args.headroom, task=args.task, dtype=args.dtype,
@@ -446,7 +458,10 @@ def estimate_command(args: argparse.Namespace) -> int:
         est = estimate_memory(args.model, fields, seq_len=seq_len, device=args.gpu,
                               stage=args.stage, task=args.task, dtype=args.dtype,
                               num_gpus=args.num_gpus, cuda_version=args.cuda_version,
-                              max_memory=args.max_memory, lengths=lengths, **trainer, **method,
+                              max_memory=args.max_memory, lengths=lengths,
+                              completion_lengths=read_lengths(args.completion_lengths,
+                                                              "--completion-lengths"),
+                              **trainer, **method,
                               **({} if args.headroom is None else {"headroom": args.headroom}))
     except ValueError as exc:
         raise HfMemkitError(str(exc)) from exc

@@ -1,7 +1,8 @@
 """What runs inside each rank of a distributed measurement (``measure_distributed_peak``).
 
 torchrun starts ``python -m hf_memkit.testing._dist_worker SPEC`` once per rank; the rank records
-its pid, trains in the spec's mode (``"ddp"``, ``"fsdp2"``, ``"deepspeed"``; described in
+its pid, trains in the spec's mode (``"ddp"``, ``"fsdp2"`` (FSDP1 with ``fsdp.version`` 1),
+``"deepspeed"``; described in
 :mod:`hf_memkit.testing.groundtruth_dist`) with a measurement window per optimizer step (the
 one of :mod:`hf_memkit.testing.groundtruth`) and writes ``rank<N>.json`` into the folder named
 by ``HF_MEMKIT_DIST_OUT`` for the launcher to gather.
@@ -9,6 +10,7 @@ by ``HF_MEMKIT_DIST_OUT`` for the launcher to gather.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -147,6 +149,47 @@ def _fsdp2_prepare(model, args):
     return fsdp2_prepare_model(acc, model), plugin
 
 
+def _fsdp1_prepare(model, args):
+    """accelerate's FSDP1 preparation (``Accelerator.prepare_model``, accelerate 1.15): the
+    plugin's kwargs to ``FullyShardedDataParallel``, its activation checkpointing, then the fp32
+    upcast of every FlatParameter that requires grad under mixed precision. ``device_id`` is the
+    CPU (gloo)."""
+    import torch
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
+    if args.mixed_precision != "no":  # accelerate.state.AcceleratorState does this
+        plugin.set_mixed_precision(args.mixed_precision)
+    plugin.set_auto_wrap_policy(model)
+    model = FSDP(model, sharding_strategy=plugin.sharding_strategy or plugin.reshard_after_forward,
+                 cpu_offload=plugin.cpu_offload, auto_wrap_policy=plugin.auto_wrap_policy,
+                 mixed_precision=plugin.mixed_precision_policy,
+                 sync_module_states=plugin.sync_module_states,
+                 backward_prefetch=plugin.backward_prefetch,
+                 forward_prefetch=plugin.forward_prefetch, use_orig_params=plugin.use_orig_params,
+                 limit_all_gathers=plugin.limit_all_gathers, device_id=torch.device("cpu"))
+    if plugin.activation_checkpointing:
+        import functools as ft
+
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl,
+            apply_activation_checkpointing,
+            checkpoint_wrapper,
+        )
+
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=ft.partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+            auto_wrap_policy=plugin.auto_wrap_policy)
+    if args.mixed_precision != "no":
+        for module in FSDP.fsdp_modules(model):
+            param = getattr(module, "_flat_param", None)
+            if param is not None and param.dtype != torch.float32 and param.requires_grad:
+                param.data = param.data.to(torch.float32)
+                module._handle._orig_param_dtype = torch.float32
+    return model, plugin
+
+
 def _reshards(module) -> bool | None:
     """Whether an FSDP2 unit frees its unsharded parameters after forward (private state)."""
     try:
@@ -154,6 +197,26 @@ def _reshards(module) -> bool | None:
         return None if group is None else group.post_forward_mesh_info is not None
     except AttributeError:
         return None
+
+
+def _fsdp_training_args(spec: dict[str, Any], workdir: str, steps: int, model) -> tuple[int, Any]:
+    """The FSDP version and the TrainingArguments (fsdp, fsdp_config) of an ``fsdp2`` spec."""
+    fs = dict(spec.get("fsdp") or {})
+    layer_cls = fs.get("transformer_layer_cls_to_wrap") or list(model._no_split_modules or [])
+    version = int(fs.get("version", 2))
+    fsdp_config = {"version": version, "transformer_layer_cls_to_wrap": layer_cls,
+                   "reshard_after_forward": bool(fs.get("reshard_after_forward", True)),
+                   "cpu_offload": bool(fs.get("offload", False)),
+                   "activation_checkpointing": bool(fs.get("activation_checkpointing", False))}
+    bf16 = fs.get("mixed_precision") == "bf16" or bool(spec.get("args", {}).get("bf16"))
+    fsdp: Any = True
+    if version == 1:  # FSDP1 takes its sharding strategy from the legacy `fsdp` string
+        fsdp = "full_shard" if fsdp_config.pop("reshard_after_forward") else "shard_grad_op"
+        # its default broadcast of rank 0's weights needs an accelerator to build its
+        # param_init_fn (FullyShardedDataParallelPlugin.__post_init__); the ranks seed alike
+        fsdp_config["sync_module_states"] = False
+    return version, _training_args(spec, workdir, steps, fsdp=fsdp, fsdp_config=fsdp_config,
+                                   bf16=bf16)
 
 
 def _run_fsdp2(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
@@ -166,23 +229,17 @@ def _run_fsdp2(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     steps = max(2, int(spec.get("steps", 3)))
-    fs = dict(spec.get("fsdp") or {})
     model = spec_model(spec, workdir)
-    layer_cls = fs.get("transformer_layer_cls_to_wrap") or list(model._no_split_modules or [])
-    fsdp_config = {"version": 2, "transformer_layer_cls_to_wrap": layer_cls,
-                   "reshard_after_forward": bool(fs.get("reshard_after_forward", True)),
-                   "cpu_offload": bool(fs.get("offload", False)),
-                   "activation_checkpointing": bool(fs.get("activation_checkpointing", False))}
-    bf16 = fs.get("mixed_precision") == "bf16" or bool(spec.get("args", {}).get("bf16"))
-    args = _training_args(spec, workdir, steps, fsdp=True, fsdp_config=fsdp_config, bf16=bf16)
+    version, args = _fsdp_training_args(spec, workdir, steps, model)
     if args.gradient_checkpointing:  # the Trainer's, before accelerate prepares the model
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
     full_param_bytes = sum(tensor_bytes(p) for p in model.parameters())
-    model, plugin = _fsdp2_prepare(model, args)
+    model, plugin = (_fsdp1_prepare if version == 1 else _fsdp2_prepare)(model, args)
     model.train()
     units = [{"module": name or "<root>", "reshard_after_forward": _reshards(m)}
-             for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+             for name, m in model.named_modules()
+             if isinstance(m, FSDPModule) or type(m).__name__ == "FullyShardedDataParallel"]
     optim_cls, optim_kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args, model)
     optimizer = optim_cls([p for p in model.parameters() if p.requires_grad], **optim_kwargs)
 
@@ -201,9 +258,12 @@ def _run_fsdp2(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
         for i, batch in enumerate(micro):
             # accelerate's accumulate(): no_sync but on the last micro-batch, unless the
             # accelerator_config's gradient_accumulation_kwargs say sync_each_batch
-            model.set_requires_gradient_sync(sync_each or i == len(micro) - 1)
-            loss = model(**batch).loss / len(micro)
-            loss.backward()
+            sync = sync_each or i == len(micro) - 1
+            if version == 2:
+                model.set_requires_gradient_sync(sync)
+            with contextlib.nullcontext() if sync or version == 2 else model.no_sync():
+                loss = model(**batch).loss / len(micro)
+                loss.backward()
             total += loss.detach()
         if args.max_grad_norm and args.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -232,7 +292,9 @@ def _run_deepspeed(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
     """DeepSpeed ZeRO on its CPU accelerator over gloo, as the Trainer drives it when the
     DeepSpeed config has no optimizer section: the Trainer's optimizer is handed to
     ``deepspeed.initialize`` (here torch AdamW), ``engine.backward`` / ``engine.step`` on every
-    micro-batch (DeepSpeed steps at the accumulation boundary)."""
+    micro-batch (DeepSpeed steps at the accumulation boundary). Each step's record carries the
+    peak of its optimizer step alone (``step_peak``: a window opened after the last backward)
+    beside the peak of the whole step."""
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -261,12 +323,19 @@ def _run_deepspeed(spec: dict[str, Any], workdir: str) -> dict[str, Any]:
         micro = batches[step * accum:(step + 1) * accum]
         opened = open_window(alive_cpu_tensor_bytes())
         total = torch.zeros(())
-        for batch in micro:
+        for i, batch in enumerate(micro):
             loss = engine(**batch).loss
             engine.backward(loss)
+            if i == len(micro) - 1:  # the optimizer step gets a window of its own
+                passes = close_window(opened)
+                opened = open_window(alive_cpu_tensor_bytes())
             engine.step()
             total += loss.detach().float() / len(micro)
-        records.append({"step": step + 1, **close_window(opened)})
+        stepped = close_window(opened)
+        records.append({"step": step + 1, "alive_open": passes["alive_open"],
+                        "peak": max(passes["peak"], stepped["peak"]),
+                        "step_peak": stepped["peak"],
+                        "seconds": passes["seconds"] + stepped["seconds"]})
         del loss, batch
         dist.all_reduce(total)
         losses.append(float(total) / world)

@@ -213,13 +213,13 @@ def _check_spec(spec: dict[str, Any], nproc: int) -> None:
                         "TrainingArguments(bf16=True) refuses a CPU-only machine without use_cpu")
     if spec.get("mode") == "ddp" and spec.get("fsdp"):
         problems.append("`fsdp` options need mode='fsdp2'")
-    unknown = set(spec.get("fsdp") or {}) - {"reshard_after_forward", "offload", "mixed_precision",
-                                              "activation_checkpointing",
-                                              "transformer_layer_cls_to_wrap"}
+    known = ("version", "reshard_after_forward", "offload", "mixed_precision",
+             "activation_checkpointing", "transformer_layer_cls_to_wrap")
+    unknown = set(spec.get("fsdp") or {}) - set(known)
     if unknown:
-        problems.append(f"unknown fsdp option(s) {sorted(unknown)}; known: reshard_after_forward, "
-                        "offload, mixed_precision, activation_checkpointing, "
-                        "transformer_layer_cls_to_wrap")
+        problems.append(f"unknown fsdp option(s) {sorted(unknown)}; known: {', '.join(known)}")
+    if (spec.get("fsdp") or {}).get("version", 2) not in (1, 2):
+        problems.append(f"fsdp version {spec['fsdp']['version']!r}: 1 (FSDP1) or 2 (FSDP2)")
     mp = (spec.get("fsdp") or {}).get("mixed_precision")
     if mp not in (None, "no", "bf16"):
         problems.append(f"fsdp mixed_precision {mp!r}: CPU supports None or 'bf16'")

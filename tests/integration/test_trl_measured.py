@@ -117,6 +117,27 @@ def test_grpo_and_rloo_estimates_match_real_runs_that_generate():
         assert abs(e.peak_allocated / m["peak"] - 1) < 0.03, (kind, e.peak_allocated, m)
 
 
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_an_estimate_given_the_longest_completion_matches_a_run_whose_completions_stop_early(kind):
+    """Completions that end early, on EOS the policy emits: ``generation_kwargs`` hold EOS (id 1
+    of the harness's tokenizer) back for 23 tokens (``min_new_tokens``: transformers'
+    ``MinNewTokensLengthLogitsProcessor``) and then make it certain (``sequence_bias`` +100:
+    ``SequenceBiasLogitsProcessor``), so every completion is 24 tokens, EOS included, of a
+    ``max_completion_length`` of 128 (TRL logged completions/max_length 24, clipped_ratio 0 for
+    this run). Prompts of 64, 40, 24 and 56 words. Given those lengths the estimate lands on the
+    measured peak; at the cap it is far over."""
+    gen = {"min_new_tokens": 23, "sequence_bias": [[[1], 100.0]]}
+    args = dict(per_device_train_batch_size=4, max_completion_length=128, generation_kwargs=gen,
+                **FP32, **({"num_generations": 4} if kind == "grpo" else {}))
+    prompts = [64, 40, 24, 56]
+    m = measure_trainer_peak({"config": CFG.to_dict(), "args": args, "seq_len": 64,
+                              "trainer": kind, "prompt_lengths": prompts})
+    e = _est(args, trainer=kind, lengths=prompts, completion_lengths=[24] * 16)
+    assert abs(e.peak_allocated / m["peak"] - 1) < 0.03, (kind, e.peak_allocated, m)
+    cap = _est(args, trainer=kind, lengths=prompts)
+    assert cap.peak_allocated / m["peak"] - 1 > 0.5     # the cap: the safe bound, far above
+
+
 def test_memory_callback_logs_grpo_generation_and_scoring(tmp_path):
     """On a real GRPOTrainer, MemoryCallback separates the generate and score phases from the
     forward and backward, each a peak no larger than the step's (num_iterations=2: the policy

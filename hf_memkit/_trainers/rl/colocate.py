@@ -3,9 +3,15 @@
 planner plans around it (``plan_beside_vllm``, ``GRPO.plan_around``). The engine's own memory
 follows vLLM's rules in ``vllm``.
 
-**The estimate.** vLLM is built in the trainer's ``__init__``, when the device holds the context,
-the policy and a reference model (the optimizer state comes later): its start-up rule is judged
-against what that leaves. While the trainer scores and trains, vLLM holds what stays resident
+**The estimate.** vLLM is built in the trainer's ``__init__`` (TRL 1.16 ``GRPOTrainer.__init__``
+builds ``VLLMGeneration`` after ``Trainer.__init__``, before ``accelerator.prepare``), when the
+device holds the context and what of the policy and a reference model is there already (the
+optimizer state comes later): its start-up rule is judged against what that leaves
+(``at_startup``). The whole policy on one process or under DDP (the Trainer moves it to the
+device in its ``__init__``); under DeepSpeed and FSDP the Trainer leaves it where it loaded, on
+the host, except ZeRO-3, whose ``zero.Init`` partitioned it onto the device as it loaded, 1/N a
+rank (``Engine.resident_at_init_fraction``). vLLM takes its share of the total CUDA reports
+(``cuda_total``). While the trainer scores and trains, vLLM holds what stays resident
 (weights, KV cache, graphs; with sleep mode only its graphs); while it generates (its activations
 on top), the trainer holds only its weights, optimizer state and a reference.
 
@@ -30,6 +36,7 @@ from ..._errors import ConfigError, HfMemkitError
 from ..._units import format_bytes
 from ..base import Tenant
 from .rollout import steps_of
+from .steps import completion_width
 from .vllm import VllmMemory, VllmSettings, colocated_vllm
 
 SHARE_STEP = 0.05
@@ -57,6 +64,37 @@ def vllm_weights(spec: Any) -> tuple[int, int]:
     return numel * 2, 2
 
 
+def cuda_total(dev: Any) -> int:
+    """The total ``torch.cuda.mem_get_info`` (``cudaMemGetInfo``) reports on ``dev``, of which
+    vLLM's ``request_memory`` takes its share (``MemorySnapshot.total_memory``): the card less
+    what the driver reserves (``DeviceInfo.cuda_memory``: probed, or the catalog's published
+    figure); NVML's total where that is not known."""
+    c = dev.cuda_memory
+    return c if c and c <= dev.total_memory else dev.total_memory
+
+
+def at_startup(spec: Any, setup: Any, held: int) -> tuple[int, str]:
+    """(bytes of the policy and a reference on this rank's device when TRL builds vLLM, in
+    words). The policy: ``Engine.resident_at_init_fraction`` of its weights. The reference,
+    built in ``__init__`` too (``create_model_from_path``): on the device on one process
+    (``device_map="auto"``), on the host where TRL passes ``device_map=None`` (several
+    processes, DeepSpeed) unless ZeRO-3's ``zero.Init`` partitioned it as the policy; it moves
+    at ``accelerator.prepare``. ``held``: the reference's bytes on this rank through the step."""
+    sh = setup.sharding
+    share = setup.engine.resident_at_init_fraction(sh)
+    policy = math.ceil(spec.states()[0] * share)
+    ref = held if sh.world_size == 1 or (share and setup.engine.zero3_enabled(sh)) else 0
+    if share >= 1:
+        words = "the whole policy (the Trainer places it on the device in its __init__)"
+    elif share:
+        words = (f"1/{round(1 / share)} of the policy (partitioned as it loaded, zero.Init; "
+                 "the Trainer leaves it there)")
+    else:
+        words = ("none of the policy: the Trainer leaves it on the host until "
+                 "accelerator.prepare (a model you loaded on the device yourself would count)")
+    return policy + ref, words + (f" and {format_bytes(ref)} of the reference" if ref else "")
+
+
 def colocated(spec: Any, setup: Any, dev: Any, *, seq_len: int, held: int,
               context: int) -> VllmMemory | None:
     """The colocated vLLM engine of ``setup`` on ``dev``, or None where there is none."""
@@ -65,12 +103,13 @@ def colocated(spec: Any, setup: Any, dev: Any, *, seq_len: int, held: int,
         return None
     settings = VllmSettings.from_trl(o.get, per_device_train_batch_size=setup.micro_batch,
                                      steps_per_generation=steps_of(setup))
-    weights = spec.states()[0]
     base, itemsize = vllm_weights(spec)
-    return colocated_vllm(spec.config, settings, total_memory=dev.total_memory,
+    total = cuda_total(dev)
+    resident = at_startup(spec, setup, held)[0]
+    return colocated_vllm(spec.config, settings, total_memory=total,
                           weight_bytes=base, dtype_itemsize=itemsize,
-                          tokens_per_seq=seq_len + int(o["max_completion_length"]),
-                          free_at_startup=dev.total_memory - context - weights - held)
+                          tokens_per_seq=seq_len + completion_width(o, padded=False),
+                          free_at_startup=total - context - resident)
 
 
 def with_vllm(vm: VllmMemory, used: int, hold: int, context: int, sleep: bool
@@ -97,7 +136,11 @@ def tenant(spec: Any, setup: Any, dev: Any, *, seq_len: int, held: int, parts: A
     grown, nbytes, why, generating = with_vllm(
         vm, used, rs.weights + rs.optimizer + held, parts["context"],
         bool(setup.trainer_options.get("vllm_enable_sleep_mode")))
-    notes = []
+    total, (resident, words) = cuda_total(dev), at_startup(spec, setup, held)
+    notes = [f"vLLM's start-up (request_memory): {format_bytes(vm.startup_free_needed)} "
+             f"requested ({setup.trainer_options.get('vllm_gpu_memory_utilization')} x "
+             f"{format_bytes(total)}, the total CUDA reports); the trainer holds the context "
+             f"and {format_bytes(resident)} then: {words}"]
     if generating:
         notes.append(f"device_used is the moment vLLM generates: the trainer's weights, "
                      f"optimizer state and context beside the awake engine; the rows above are "
@@ -121,7 +164,7 @@ def smallest_share(req: Any, spec: Any) -> tuple[float, str]:
                                          "vllm_gpu_memory_utilization" else req.get(k),
                                          per_device_train_batch_size=req.per_rank,
                                          steps_per_generation=1)
-        vm = colocated_vllm(spec.config, settings, total_memory=req.dev.total_memory,
+        vm = colocated_vllm(spec.config, settings, total_memory=cuda_total(req.dev),
                             weight_bytes=weights, dtype_itemsize=itemsize,
                             tokens_per_seq=req.seq_len + completion)
         if vm.kv_capacity_tokens >= vm.kv_demand_tokens and vm.kv_cache > 0:
@@ -147,16 +190,35 @@ def startup_problem(req: Any, share: float, spec: Any) -> str | None:
 
     numel = sum(p.numel() for p in spec.meta.parameters())
     per_param = min([START_BYTES.get(m.name, 2.0) for m in ladder(req.method)] or [2.0])
-    total = req.dev.total_memory
-    free = total - cuda_runtime(req.cuda_version).context - int(numel * per_param)
+    total = cuda_total(req.dev)
+    policy = int(numel * per_param * startup_fraction(req))
+    free = total - cuda_runtime(req.cuda_version).context - policy
     if math.ceil(share * total) <= free:
         return None
     most = math.floor(free / total / SHARE_STEP) * SHARE_STEP
     return (f"vllm_gpu_memory_utilization={share} asks vLLM for {format_bytes(share * total)} "
-            f"at start-up, but with the policy loaded ({format_bytes(numel * per_param)} at "
-            f"{per_param:g} bytes a parameter, the lightest method allowed) and the CUDA "
+            f"at start-up, but with the policy loaded ({format_bytes(policy)} on the device: "
+            f"{per_param:g} bytes a parameter, the lightest method allowed, and the least of it "
+            f"any strategy allowed keeps there before accelerator.prepare) and the CUDA "
             f"context at most {format_bytes(free)} is free, and vLLM refuses to start "
             f"(request_memory); use at most {most:.2f}, or vllm_mode='server'")
+
+
+def startup_fraction(req: Any) -> float:
+    """The least of the policy on a rank's device when vLLM starts over the strategies the plan
+    may use (``Engine.resident_at_init_fraction``): the engine the arguments pin, else the
+    whole policy on one process, else the least of the sharding engine's rungs."""
+    from ..._engines import ENGINES, Sharding
+
+    pinned = next((e for e in ENGINES if e.selected(req.pins.get)), None)
+    if pinned is not None:
+        return pinned.resident_at_init_fraction(pinned.from_args(req.pins.get, req.ranks))
+    if req.ranks == 1:
+        return 1.0
+    engine = req.sharding_engine
+    return min([engine.resident_at_init_fraction(
+        Sharding(engine.name, req.ranks, r.stage, offload_params=r.offload_params))
+        for r in engine.rungs() if r.name in (req.engine_stage or (r.name,))] or [1.0])
 
 
 def with_pin(req: Any, **pins: Any) -> Any:

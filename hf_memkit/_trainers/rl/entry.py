@@ -18,8 +18,15 @@ Read from TRL 1.16 (``trl/trainer/grpo_trainer.py``, ``rloo_trainer.py``, ``grpo
   * **train** (``_compute_loss``): ``per_device_train_batch_size`` rows of prompt + completion,
     labels only on the completion, ``add_fused_lm_head(outputs=("log_probs", "entropy"))``, the
     clipped ratio loss (``steps.ScoreStep``).
-Completions run to ``max_completion_length`` (generation stops when every row has), so that is
-the length estimated; ``seq_len`` is the longest prompt. A colocated vLLM generates instead of
+Every micro-batch of a generation batch is as wide as its longest prompt plus its longest
+completion (``_generate_and_score_completions`` pads the whole generation batch, then
+``split_tensor_dict`` cuts it into micro-batches), and generation runs until every row of the
+batch has stopped. The prompts are shuffled into batches (``RepeatSampler``) and completions are
+sampled, so the widest batch the data can form holds the longest prompt and the longest
+completion: ``seq_len`` is the longest prompt (``lengths=``: the longest of them), and the
+completion is ``completion_len`` (``completion_lengths=``: the longest of them), at most
+``max_completion_length``; unset, the cap, the safe bound (``steps.completion_width``). The
+estimate's notes say which it took. A colocated vLLM generates instead of
 the policy: its memory is a tenant of its own (``vllm``, ``colocate``: ``GRPO.tenant``), not
 a phase traced here; in server mode it is on other GPUs.
 """
@@ -43,7 +50,7 @@ from ..base import (
 )
 from ..data import token_rows, word_tokenizer
 from . import colocate, inputs, rollout
-from .steps import GenerateStep, ScoreStep
+from .steps import GenerateStep, ScoreStep, completion_width
 
 # fields of GRPOConfig / RLOOConfig that change what generation holds, not modelled
 GENERATION_UNMODELLED = {
@@ -133,7 +140,7 @@ class GRPO(TrlTrainerKind):
     def shape(self, options: Mapping[str, Any], batch: int, seq: int) -> BatchShape:
         if options.get("phase") == "generate":    # left-padded prompts
             return BatchShape(batch, padded_length(options, seq), padded=True)
-        return BatchShape(batch, padded_length(options, seq) + options["max_completion_length"],
+        return BatchShape(batch, padded_length(options, seq) + completion_width(options),
                           padded=True)
 
     def step(self, options: Mapping[str, Any]) -> TraceStep:
@@ -178,12 +185,23 @@ class GRPO(TrlTrainerKind):
         return []
 
     def notes(self, options: Mapping[str, Any]) -> list[str]:
-        c = options["max_completion_length"]
+        cap, given = options["max_completion_length"], options.get("completion_len")
+        c = completion_width(options, padded=False)
+        if given and given < cap:
+            said = (f"estimated at {c}, the longest completion given (completion_len / the "
+                    "longest of completion_lengths): TRL pads every row of a generation batch "
+                    "to its longest completion")
+        else:
+            said = (f"estimated at {c}, the cap: generation runs until every row of the batch "
+                    "stops, and no shorter longest completion was given (completion_len=N or "
+                    "completion_lengths=[...]; the cap is the safe bound)")
+            if given and given > cap:
+                said += f"; completion_len={given} is past the cap, where generation stops"
         return [f"{self.title}: generates {options['num_generations']} completions per prompt "
-                f"of up to {c} tokens (max_completion_length; estimated at {c}, since "
-                "generation runs until every row of the batch stops) after prompts of seq_len "
-                "tokens, scores them and trains on prompt + completion rows through TRL's fused "
-                "log-prob head"]
+                f"of up to {cap} tokens (max_completion_length; {said}) after prompts of "
+                "seq_len tokens (the longest prompt: TRL left-pads a generation batch to its "
+                "longest), scores them and trains on prompt + completion rows through TRL's "
+                "fused log-prob head"]
 
     def config_problems(self, options: Mapping[str, Any]) -> list[str]:
         # the fields on their own: num_generations >= 2 (GRPOConfig.__post_init__), the
@@ -252,8 +270,7 @@ class GRPO(TrlTrainerKind):
                            callbacks=callbacks)
 
     def completion_problem(self, options: Mapping[str, Any]) -> str | None:
-        return (f"completion_len does not apply to {self.title}: its completions are "
-                "max_completion_length tokens (set that in its config)")
+        return None   # the longest completion a generation batch holds (completion_width)
 
 
 def even_ids(completions: list[str], **kwargs: Any) -> list[float]:

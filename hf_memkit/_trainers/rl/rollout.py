@@ -16,6 +16,7 @@ from typing import Any
 
 from ..._techniques import TechniqueUse
 from ..base import RolloutPhase
+from .steps import completion_width
 
 # the eval trace's phases -> the phase names the estimate reports
 TRACED = {"prefill": "generate (prefill)", "decode": "generate (decode)", "eval": "score"}
@@ -87,6 +88,8 @@ def rollout_phases(phases: tuple[str, ...], spec: Any, setup: Any, rs: Any, *, h
     what the step holds (``TrainerKind.rollout``)."""
     grads = (rs.gradients if rs.accum_gradients is None else rs.accum_gradients) \
         if grads_at_generation(setup) else 0
+    if rs.resident_gradients:  # ZeRO-3's flat gradient-partition buffer: alive from the start
+        grads = rs.gradients
     out: dict[str, RolloutPhase] = {}
     for phase in phases:
         ex = trace(phase_setup(setup, phase))
@@ -113,7 +116,7 @@ def rollout_notes(setup: Any, phases: Mapping[str, RolloutPhase]) -> list[str]:
         notes.append(f"generation: {rows} rows (per_device_train_batch_size x "
                      "steps_per_generation) sampled by the policy's generate with its KV cache "
                      "(no grad); its last decode step holds the cache of prompt + "
-                     f"{o['max_completion_length']} tokens")
+                     f"{completion_width(o, padded=False)} tokens (the longest completion)")
     if grads_at_generation(setup):
         notes.append("generation falls inside a gradient accumulation (the accumulation steps "
                      "do not divide steps_per_generation x num_iterations): the accumulated "

@@ -12,10 +12,24 @@ from typing import Any
 
 import torch
 
-from ..base import TraceStep
+from ..base import TraceStep, padded_length
 from ..fused_head import add_head, fold_context
 
 RL_OUTPUTS = ("log_probs", "entropy")   # GRPOTrainer / RLOOTrainer.__init__
+
+
+def completion_width(options: Mapping[str, Any], *, padded: bool = True) -> int:
+    """The completion positions of the widest generation batch: the longest completion
+    expected (``completion_len``: ``estimate_memory(completion_len=N)`` or the longest of
+    ``completion_lengths``; unset, ``max_completion_length``), at most ``max_completion_length``
+    (``max_new_tokens``: generation stops there). ``_generate_and_score_completions`` pads
+    every completion of a generation batch to its longest, a multiple of
+    ``pad_to_multiple_of`` (``pad(completion_ids, ..., pad_to_multiple_of=...)``): ``padded``;
+    generation itself runs to the longest completion unpadded (``generate`` stops when every
+    row has emitted EOS)."""
+    cap = int(options["max_completion_length"])
+    c = min(int(options.get("completion_len") or cap), cap)
+    return padded_length(options, c) if padded else c
 
 
 def _completion_labels(batch: dict[str, Any], completion: int) -> dict[str, Any]:
@@ -43,7 +57,7 @@ class ScoreStep(TraceStep):
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
-        self.completion = int(options["max_completion_length"])
+        self.completion = completion_width(options)     # logits_to_keep: the padded width
         self.beta = float(options.get("beta") or 0.0)
 
     def prepare(self, model: Any, *, adapters: bool) -> None:
@@ -54,7 +68,9 @@ class ScoreStep(TraceStep):
         add_head(model)
 
     def kernels(self, target: Any) -> Any:
-        return fold_context(target, self.options)
+        # on CUDA the head scores the completion tokens (completion_mask), not their padding
+        return fold_context(target, {**self.options, "completion_len": completion_width(
+            self.options, padded=False)})
 
     def loss(self, model: Any, batch: dict[str, Any], reference: Any = None) -> Any:
         inputs, c = _completion_labels(batch, self.completion), self.completion
@@ -96,7 +112,7 @@ class GenerateStep(TraceStep):
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
-        self.completion = int(options["max_completion_length"])
+        self.completion = completion_width(options, padded=False)
 
     def prepare(self, model: Any, *, adapters: bool) -> None:
         super().prepare(model, adapters=adapters)

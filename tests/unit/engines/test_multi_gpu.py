@@ -93,7 +93,11 @@ def test_zero_model_states_match_deepspeeds_estimators(name, world):
                    num_gpus=world)
         _, ref, _ = estimate_zero3_model_states_mem_needs(
             total, largest, per_node, nodes, cpu_offload=off_opt, cpu_offload_params=off_param)
-        assert ours.model_states == pytest.approx(ref, rel=2e-7)
+        # DeepSpeed's estimator counts 4 B of gradient partition per parameter; ZeRO-3
+        # allocates grad_partitions_flat_buffer in the bf16 gradient-accumulation dtype, 2 B
+        # (stage3.py _setup_for_real_optimizer): 2 B / N fewer on the GPU without offload
+        buffer_gap = 0 if off_opt else 2 * total / world
+        assert ours.model_states == pytest.approx(ref - buffer_gap, rel=2e-7)
         if off_opt:
             assert ours.host_offloaded > 0
 

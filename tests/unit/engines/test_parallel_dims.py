@@ -85,7 +85,7 @@ def test_bad_degrees_name_the_rule_and_the_nearest_valid_ones():
         est({**FSDP, "parallelism_config": {"cp_size": 2}}, num_gpus=8)
     assert "must equal the number of processes (8)" in str(e.value)
     assert "dp_shard_size=4" in str(e.value)
-    with pytest.raises(ConfigError, match="runs on FSDP2"):
+    with pytest.raises(ConfigError, match="context parallelism on FSDP2"):
         est({"parallelism_config": {"cp_size": 2}}, num_gpus=2)
     with pytest.raises(ConfigError, match="runs on DeepSpeed"):
         est({**FSDP, "parallelism_config": {"sp_size": 2}}, num_gpus=2)
@@ -328,3 +328,45 @@ def test_a_pinned_split_is_planned_on_the_engine_that_runs_it(pinned, engine, st
         assert ta["deepspeed"]["zero_optimization"]["stage"] == stage and "fsdp" not in ta
         assert ta["deepspeed"]["train_batch_size"] == plan.chosen.micro_batch * \
             plan.chosen.grad_accum          # one data-parallel rank: both ranks split a sequence
+
+
+DS = {"deepspeed": {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}}
+
+
+class _AcceleratorState:
+    """What ``ParallelismConfig._validate_accelerator`` reads of an ``Accelerator`` (its
+    launch: processes and engine), so that accelerate's own rule decides."""
+
+    def __init__(self, processes, engine):
+        from accelerate.utils import DistributedType
+
+        self.num_processes, self.multi_device = processes, engine == "ddp"
+        self.is_fsdp2, self.is_main_process = engine == "fsdp", True
+        self.distributed_type = {"ddp": DistributedType.MULTI_GPU, "fsdp": DistributedType.FSDP,
+                                 "deepspeed": DistributedType.DEEPSPEED}[engine]
+
+
+@pytest.mark.parametrize("engine,args", [("ddp", {}), ("fsdp", FSDP), ("deepspeed", DS)])
+def test_all_ones_on_several_processes_is_what_accelerate_makes_of_it(engine, args):
+    """accelerate accepts a ParallelismConfig of all ones on 4 processes under every engine
+    (``_validate_accelerator``; no device mesh is built) and runs plain data parallelism: DDP
+    replicas (it sets dp_replicate_size=4), FSDP2 and ZeRO over every rank. hf_memkit refused it
+    ("total size 1 must equal the number of processes")."""
+    pc = ParallelismConfig()
+    assert pc.build_device_mesh("cpu") is None        # no active dimension: no mesh
+    pc._validate_accelerator(_AcceleratorState(4, engine))   # raises where accelerate refuses
+    assert pc.dp_replicate_size == (4 if engine == "ddp" else 1)
+    e = est({**args, "parallelism_config": {"dp_shard_size": 1}}, num_gpus=4)
+    assert e.phase_peaks == est(args, num_gpus=4).phase_peaks
+    assert any("all ones on 4 processes" in n for n in e.notes)
+
+
+@pytest.mark.parametrize("args,sizes", [
+    ({}, {"cp_size": 2}), (DS, {"tp_size": 2, "dp_shard_size": 2}),
+    (DS, {"dp_replicate_size": 2, "dp_shard_size": 2})])
+def test_layouts_accelerate_accepts_and_hf_memkit_does_not_model_say_so(args, sizes):
+    engine = "deepspeed" if args else "ddp"
+    ParallelismConfig(**sizes)._validate_accelerator(_AcceleratorState(4 if args else 2, engine))
+    with pytest.raises(ConfigError) as e:
+        est({**args, "parallelism_config": sizes}, num_gpus=4 if args else 2)
+    assert "accelerate accepts the layout, but hf_memkit estimates only" in str(e.value)

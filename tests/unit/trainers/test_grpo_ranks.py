@@ -54,3 +54,12 @@ def test_grpo_generation_rows_per_rank_follow_trls_resolution(world, tmp_path):
     said = [int(m.group(1)) for n in e.notes if (m := re.match(r"generation: (\d+) rows", n))]
     assert said == [rows], (said, rows, e.notes)
     assert "generate (decode)" in e.phase_peaks   # traced at those rows
+    # the whole estimate is TRL's resolved config's: given its steps_per_generation instead of
+    # generation_batch_size, every phase comes out the same
+    resolved = {k: v for k, v in ARGS.items() if k != "generation_batch_size"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        same = mk.estimate_memory(CFG, {**resolved, "steps_per_generation":
+                                        cfg.steps_per_generation}, seq_len=32,
+                                  device="A100-80GB", trainer="grpo", num_gpus=world)
+    assert same.phase_peaks == e.phase_peaks
