@@ -1,8 +1,9 @@
 """Estimator vs an independent CPU measurement of real TRL runs (SFTTrainer, DPOTrainer,
-GRPOTrainer and RLOOTrainer generating with the policy's own ``generate``).
+GRPOTrainer and RLOOTrainer generating with the policy's own ``generate``, KTOTrainer,
+RewardTrainer, DistillationTrainer).
 
-Each case trains 3 steps through the real ``trl.SFTTrainer`` / ``trl.DPOTrainer`` in a child
-process (``hf_memkit.testing.groundtruth`` + ``groundtruth_trl``: RSS with
+Each case trains 3 steps through the real TRL trainer in a child process
+(``hf_memkit.testing.groundtruth`` + ``groundtruth_trl`` / ``groundtruth_pref``: RSS with
 ``MALLOC_MMAP_THRESHOLD_=65536``, steady-state steps, synthetic tokenized data, an in-memory
 tokenizer). The prediction is ``estimate_memory(config, <SFTConfig/DPOConfig fields>,
 trainer=...)``, made without running anything. As a baseline, the same setup estimated as a plain
@@ -53,14 +54,20 @@ RL_DEEP = LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers
 LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
             lora_dropout=0.0)
 FP32 = dict(bf16=False, gradient_checkpointing=False)
+# RewardTrainer's model: a sequence classifier with one output (it refuses others)
+LLAMA_RM = LlamaConfig(**{**{k: v for k, v in LLAMA.to_dict().items()
+                            if k not in ("id2label", "label2id")},
+                         "num_labels": 1, "pad_token_id": 0})
+RM = "sequence-classification"
 
 
-def case(name, trainer, config, args, seq, *, lora=None, data=None, estimate_seq="seq"):
+def case(name, trainer, config, args, seq, *, lora=None, data=None, estimate_seq="seq",
+         task=None):
     """``estimate_seq``: the seq_len passed to estimate_memory ("seq", or None to let the
-    config's max_length decide, as users may)."""
+    config's max_length decide, as users may); ``task``: the model's (None: causal LM)."""
     return dict(name=name, trainer=trainer, config=config, args=args, seq=seq, lora=lora,
                 data=data or {}, estimate_seq=seq if estimate_seq == "seq" else estimate_seq,
-                needs=("trl",) + ("peft",) * bool(lora))  # the trl extra; LoRA: peft
+                task=task, needs=("trl",) + ("peft",) * bool(lora))  # trl extra; LoRA: peft
 
 
 CASES = [
@@ -116,8 +123,36 @@ CASES = [
               gradient_checkpointing=True), 64),
     case("rloo defaults (beta 0.05: ref copy) b4 g2 p128+c64", "rloo", LLAMA,
          dict(per_device_train_batch_size=4, max_completion_length=64, **FP32), 128),
+    # KTO: B rows (every other completion a token shorter: padded) plus KL rows; the reference
+    # as DPO's (a copy, the PEFT policy's adapters, none when precomputed)
+    case("kto copy ref fp32 b4x256", "kto", LLAMA,
+         dict(per_device_train_batch_size=4, max_length=256, **FP32), 256),
+    case("kto lora (adapters as ref) b4x512", "kto", LLAMA,
+         dict(per_device_train_batch_size=4, max_length=512, **FP32), 512, lora=LORA),
+    case("kto defaults (bf16, ckpt) b2x512", "kto", LLAMA,
+         dict(per_device_train_batch_size=2, max_length=512), 512, estimate_seq=None),
+    # RewardTrainer: a one-output classifier on 2B rows (rejected a token shorter: padded)
+    case("reward fp32 b4x256", "reward", LLAMA_RM,
+         dict(per_device_train_batch_size=4, max_length=256, **FP32), 256, task=RM),
+    case("reward defaults (bf16, ckpt) b4x512", "reward", LLAMA_RM,
+         dict(per_device_train_batch_size=4, max_length=512), 512, estimate_seq=None, task=RM),
+    case("reward lora seq-cls b8x256", "reward", LLAMA_RM,
+         dict(per_device_train_batch_size=8, max_length=256, **FP32), 256, task=RM,
+         lora=dict(LORA, task_type="SEQ_CLS")),
+    # DistillationTrainer: the student generates (seq = the longest prompt), then its backbone
+    # and a teacher copy's feed TRL's chunked divergence; beta 0.5 runs the JSD's second pass
+    case("distillation fp32 b4 p96+c64", "distillation", LLAMA,
+         dict(per_device_train_batch_size=4, max_completion_length=64, **FP32), 96),
+    case("distillation jsd beta 0.5 lora b4 p64+c64", "distillation", LLAMA,
+         dict(per_device_train_batch_size=4, max_completion_length=64, beta=0.5, **FP32), 64,
+         lora=LORA),
+    case("distillation defaults (bf16, ckpt) b2 ga2 p64+c96", "distillation", LLAMA,
+         dict(per_device_train_batch_size=2, gradient_accumulation_steps=2,
+              max_completion_length=96), 64),
 ]
 RL = ("grpo", "rloo")
+GENERATE = (*RL, "distillation")   # seq is the longest prompt; completions are generated
+KINDS = ("sft", "dpo", *RL, "kto", "reward", "distillation")
 DEFAULT_JSON = RESULTS / "estimator_trl.json"
 # --quick: the packed SFT case (lengths, BFD bins) and a DPO one, small and fast
 QUICK = ("sft packing bfd b2x256", "dpo precompute_ref b2x512")
@@ -128,7 +163,7 @@ def predict(c, trainer=None):
 
     args = dict(c["args"])
     seq = c["estimate_seq"] or (c["seq"] if trainer else None)
-    if trainer == "trainer" and c["trainer"] in RL:  # the train step alone, prompt + completion
+    if trainer == "trainer" and c["trainer"] in GENERATE:  # the train step alone, prompt + completion
         seq += args["max_completion_length"]
         args = {k: v for k, v in args.items() if k in TrainingArguments.__dataclass_fields__}
     elif trainer == "trainer":  # what a plain-Trainer estimate of the same setup says
@@ -147,13 +182,14 @@ def predict(c, trainer=None):
         warnings.simplefilter("ignore")
         return mk.estimate_memory(
             c["config"], args, seq_len=seq,
-            device="cpu", trainer=trainer or c["trainer"], lengths=lengths,
+            device="cpu", trainer=trainer or c["trainer"], lengths=lengths, task=c["task"],
             peft_config=peft.LoraConfig(**c["lora"]) if c["lora"] else None)
 
 
 def measure(c):
     spec = {"config": c["config"].to_dict(), "args": c["args"], "seq_len": c["seq"],
-            "lora": c["lora"], "trainer": c["trainer"], **c["data"]}
+            "lora": c["lora"], "trainer": c["trainer"], **c["data"],
+            **({"task": c["task"]} if c["task"] else {})}
     return measure_trainer_peak(spec, timeout=2400)  # a generation-bound GRPO run is slow
 
 
@@ -207,7 +243,7 @@ def summarize(rows) -> dict:
                    worst_abs_err=max(errs),
                    plain_trainer_median_abs_err=statistics.median(
                        abs(r["plain_err"]) for r in rows))
-    for kind in ("sft", "dpo", *RL):
+    for kind in KINDS:
         ks = [abs(r["err"]) for r in rows if r["trainer"] == kind]
         if ks:
             summary[f"{kind}_median_abs_err"], summary[f"{kind}_worst_abs_err"] = \

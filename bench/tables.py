@@ -92,7 +92,7 @@ def estimator_trl(doc: dict[str, Any]) -> str:
     cases = [[r["name"], r["trainer"], f"{r['measured'] / MiB:.1f}", f"{r['predicted'] / MiB:.1f}",
               _pct(r["err"]), r["phase"], _pct(r["plain_err"], 1)] for r in rows]
     per = [[k, _abs_pct(s[f"{k}_median_abs_err"]), _abs_pct(s[f"{k}_worst_abs_err"])]
-           for k in ("sft", "dpo", "grpo", "rloo") if f"{k}_median_abs_err" in s]
+           for k in ("sft", "dpo", "grpo", "rloo", "kto", "reward", "distillation") if f"{k}_median_abs_err" in s]
     per.append(["all", _abs_pct(s["median_abs_err"]), _abs_pct(s["worst_abs_err"])])
     return (f"{s['cases']} cases run{_versions(doc)}.\n\n"
             + _table(["case", "trainer", "measured MiB", "predicted MiB", "error", "peak phase",

@@ -215,12 +215,12 @@ def estimate_memory(model: Any, args: Any = None, *, seq_len: int | None = None,
             (a `headroom` given beside it is ignored, with a warning).
         trainer (`str`, *optional*):
             `"trainer"` (`transformers.Trainer`), `"sft"` (TRL's `SFTTrainer`), `"dpo"`
-            (`DPOTrainer`), `"grpo"` or `"rloo"`; default from `args`' class (an `SFTConfig`
+            (`DPOTrainer`), `"grpo"`, `"rloo"`, `"kto"`, `"reward"` or `"distillation"`; default from `args`' class (an `SFTConfig`
             means `"sft"`). TRL trainers are estimated as they run: their fused log-prob head,
             `max_length` as the default `seq_len`, padding-free / packed micro-batches, DPO's
             chosen+rejected rows and its reference model.
         ref_model (`bool`, *optional*):
-            DPO only (another trainer refuses it). `True`: you pass your own `ref_model` (a
+            DPO and KTO only (another trainer refuses it). `True`: you pass your own `ref_model` (a
             frozen copy held on the device even for a PEFT policy or with
             `precompute_ref_log_probs`).
         lengths (`Sequence[int]`, *optional*):

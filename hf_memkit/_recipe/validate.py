@@ -366,7 +366,7 @@ def _trainer_section(st: _State) -> None:
         return
     try:
         name = trainer_of_args(None, v)
-    except HfMemkitError as exc:   # TRL trainers not modelled (KTO, ...) are refused by name
+    except HfMemkitError as exc:   # TRL trainers not modelled (ORPO, PPO, ...) are refused by name
         refused = v.lower().replace("-", "_") in NOT_MODELLED
         st.c.add("trainer", str(exc) if refused else f"unknown trainer {quoted(v)}"
                  f"{did_you_mean(v, TRAINERS.names())}; allowed: {allowed}")

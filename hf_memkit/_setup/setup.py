@@ -223,7 +223,7 @@ def normalize_args(args: TrainingArguments | dict[str, Any] | None, *,
                    trainer: str | None = None, ref_model: bool | None = None) -> TrainingSetup:
     """Read what changes memory; gather every problem and raise them together. ``trainer``:
     a registered trainer name (default: from the config's class, ``_trainers``);
-    ``ref_model``: DPO only, the user passes their own reference model."""
+    ``ref_model``: DPO / KTO only, the user passes their own reference model."""
     kind = TRAINERS.get(trainer_of_args(args, trainer))
     if ref_model is not None and not kind.takes_ref_model:
         takers = " / ".join(k.title for k in TRAINERS if k.takes_ref_model)

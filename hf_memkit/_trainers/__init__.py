@@ -1,7 +1,8 @@
 """Trainers whose step hf_memkit models, one registered ``TrainerKind`` per file (``base``):
 ``transformers.Trainer``, TRL's ``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer`` and
-``RLOOTrainer`` (the last two in the folder ``rl/``: a step of phases, optionally a vLLM beside
-it). ``detect`` names the trainer of a config (and refuses TRL trainers not modelled); the
+``RLOOTrainer`` (the folder ``rl/``: a step of phases, optionally a vLLM beside it),
+``KTOTrainer``, ``RewardTrainer`` and ``DistillationTrainer`` (on-policy: ``rl/``'s generation,
+then a teacher's forward in each micro-step). ``detect`` names the trainer of a config (and refuses TRL trainers not modelled); the
 other modules are what TRL's trainers do to a step (``fused_head``, ``packing``, ``offload``)
 and the data ``hf-memkit train`` gives them (``data``).
 
@@ -11,7 +12,7 @@ docs/extending.md#a-trainer; TRL's behaviour that the entries follow: docs/stack
 """
 
 # isort: off
-from . import trainer, sft, dpo, rl  # noqa: F401  (registers, in this order)
+from . import trainer, sft, dpo, rl, kto, reward, distillation  # noqa: F401  (registers, in this order)
 # isort: on
 from .base import (
     TRAINER_KEY,

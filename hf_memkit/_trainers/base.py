@@ -381,7 +381,7 @@ def padded_length(o: Mapping[str, Any], seq: int) -> int:
 TRAINER_KEY = "trainer"
 
 TRAINERS: Registry[TrainerKind] = Registry(
-    "trainer", hint="; TRL's online DPO, KTO and reward trainers are not modelled")
+    "trainer", hint="; TRL's online DPO, PPO, ORPO and CPO trainers are not modelled")
 
 
 def register(kind: TrainerKind) -> TrainerKind:

@@ -10,19 +10,18 @@ from .base import TRAINERS
 # TRL trainers that are not modelled yet (their steps keep reward or value models, an online
 # generation or losses of their own). A trainer that gets a registry entry is modelled, whether
 # or not it is still listed here.
-NOT_MODELLED = {"online_dpo": "OnlineDPOTrainer",
-                "kto": "KTOTrainer", "reward": "RewardTrainer", "ppo": "PPOTrainer",
+NOT_MODELLED = {"online_dpo": "OnlineDPOTrainer", "ppo": "PPOTrainer",
                 "orpo": "ORPOTrainer", "cpo": "CPOTrainer", "gkd": "GKDTrainer",
-                "distillation": "DistillationTrainer", "xpo": "XPOTrainer",
-                "nash_md": "NashMDTrainer", "bco": "BCOTrainer", "prm": "PRMTrainer"}
+                "xpo": "XPOTrainer", "nash_md": "NashMDTrainer", "bco": "BCOTrainer",
+                "prm": "PRMTrainer"}
 
 
 def _refuse(what: str) -> HfMemkitError:
     modelled = ", ".join(f"{k.name!r} ({k.title})" for k in TRAINERS)
     return HfMemkitError(
         f"{what} is not modelled: hf_memkit traces one optimizer step of the trainers it "
-        f"models ({modelled}); online DPO, KTO and the other TRL trainers not listed "
-        "keep generation buffers and extra models it does not estimate. Estimate the policy's "
+        f"models ({modelled}); online DPO, PPO, ORPO, CPO and the other TRL trainers not listed "
+        "have losses, generation buffers or extra models it does not estimate. Estimate the policy's "
         "step with trainer='sft' as a lower bound, or measure with hf_memkit's MemoryCallback")
 
 

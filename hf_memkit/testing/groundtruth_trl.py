@@ -21,7 +21,9 @@ Spec keys besides ``groundtruth.measure_trainer_peak``'s:
     thousands, so a random policy's completions run to ``max_completion_length`` (generation
     stops only when every row has stopped). With ``beta > 0`` and no PEFT, TRL loads the
     reference from the policy's ``_name_or_path``: the policy is saved to the work directory
-    first and its config points there.
+    first and its config points there;
+  * "kto" / "reward" / "distillation": ``KTOTrainer``, ``RewardTrainer``, ``DistillationTrainer``
+    (``groundtruth_pref``).
 
 The processing class is a word-level tokenizer built in memory (no download): pad, EOS and
 unk are ids 0-2 and ``w<id>`` is token ``id``, split on whitespace.
@@ -103,7 +105,12 @@ def make_trl_trainer(spec: dict[str, Any], model: Any, a: dict[str, Any], n: int
                               processing_class=tokenizer(vocab), callbacks=callbacks)
     if kind in ("grpo", "rloo"):
         return _rl_trainer(spec, model, a, n, workdir, callbacks)
-    raise ValueError(f"trainer must be 'trainer', 'sft', 'dpo', 'grpo' or 'rloo', got {kind!r}")
+    if kind in ("kto", "reward", "distillation"):
+        from .groundtruth_pref import pref_trainer
+
+        return pref_trainer(spec, model, a, n, workdir, callbacks)
+    raise ValueError(f"trainer must be 'trainer', 'sft', 'dpo', 'grpo', 'rloo', 'kto', 'reward' or "
+                     f"'distillation', got {kind!r}")
 
 
 def prompt_rows(spec: dict[str, Any], vocab: int, n: int) -> list[dict[str, str]]:

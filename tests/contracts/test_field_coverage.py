@@ -1,4 +1,6 @@
-"""Every field of the installed ``TrainingArguments``, ``SFTConfig`` and ``DPOConfig`` is modelled,
+"""Every field of the installed ``TrainingArguments`` and of every registered TRL trainer's config
+(``SFTConfig``, ``DPOConfig``, ``GRPOConfig``, ``RLOOConfig``, ``KTOConfig``, ``RewardConfig``,
+``DistillationConfig``) is modelled,
 named in a 'not modelled' warning, or irrelevant to a step's device memory (issue 14, item 7).
 
 The fields are enumerated from the installed classes, so a field that a new transformers or TRL
@@ -49,10 +51,13 @@ NON_DEFAULT = {
     "use_transformers_paged": True,
     "vllm_model_impl": "transformers", "cast_lm_head_to_fp32": True,
     "max_tool_calling_iterations": 4,
+    "teacher_model_name_or_path": "Qwen/Qwen2.5-1.5B-Instruct",
+    "teacher_model_init_kwargs": {"dtype": "bfloat16"},
 }
 
 # ... where a trainer's config defaults it otherwise (GRPOConfig / RLOOConfig: dropout kept)
-NON_DEFAULT_FOR = {("grpo", "disable_dropout"): True, ("rloo", "disable_dropout"): True}
+NON_DEFAULT_FOR = {("grpo", "disable_dropout"): True, ("rloo", "disable_dropout"): True,
+                   ("distillation", "disable_dropout"): True}
 
 
 def _config_class(trainer: str) -> type:
@@ -173,7 +178,9 @@ def test_modelled_fields_change_the_estimate_or_the_setup():
 
 @pytest.mark.parametrize("trainer,name,value", [
     ("sft", "packing", True), ("sft", "pad_to_multiple_of", 64),
-    ("dpo", "precompute_ref_log_probs", True), ("dpo", "use_weighting", True)])
+    ("dpo", "precompute_ref_log_probs", True), ("dpo", "use_weighting", True),
+    ("kto", "precompute_ref_log_probs", True), ("kto", "loss_type", "apo_zero_unpaired"),
+    ("reward", "center_rewards_coefficient", 0.01), ("distillation", "beta", 0.5)])
 def test_modelled_trl_fields_change_the_setup(trainer, name, value):
     _config_class(trainer)
     assert name in field_classes(trainer)["modelled"]
@@ -198,7 +205,8 @@ def test_irrelevant_fields_leave_device_used_unchanged():
 
 @pytest.mark.parametrize("trainer,name,value", [
     ("sft", "dataset_text_field", "content"), ("sft", "truncation_mode", "keep_end"),
-    ("dpo", "beta", 0.5), ("dpo", "use_cache", True)])
+    ("dpo", "beta", 0.5), ("dpo", "use_cache", True),
+    ("kto", "desirable_weight", 2.0), ("kto", "beta", 0.5)])
 def test_irrelevant_trl_fields_leave_device_used_unchanged(trainer, name, value):
     _config_class(trainer)
     assert name in field_classes(trainer)["irrelevant"]

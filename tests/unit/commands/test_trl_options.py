@@ -94,7 +94,7 @@ def test_plan_trainer_sft_matches_the_api(model_dir, capsys):
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--trainer", "kto", "--seq-len", "64"], ["KTOTrainer", "not modelled"]),
+    (["--trainer", "orpo", "--seq-len", "64"], ["ORPOTrainer", "not modelled"]),
     (["--trainer", "sfy", "--seq-len", "64"], ["`sfy`", "`sft`", "trainer, sft, dpo"]),
     (["--trainer", "sft", "max_length=abc"], ["max_length=abc", "an integer", "'abc'"]),
     (["--trainer", "sft", "--seq-len", "64", "packing=maybe"], ["packing=maybe", "a boolean"]),
@@ -237,8 +237,8 @@ def test_recipe_trainer_key_is_validated_and_reaches_the_plan(tmp_path):
     msg = str(exc.value)
     assert "trainer: unknown trainer 'sfy'" in msg and "(did you mean `sft`?)" in msg
     assert "allowed: trainer (Trainer), sft (SFTTrainer), dpo (DPOTrainer)" in msg
-    with pytest.raises(ConfigError, match="KTOTrainer"):
-        load_recipe(_recipe(tmp_path, "kto", "{max_steps: 2}"))
+    with pytest.raises(ConfigError, match="ORPOTrainer"):
+        load_recipe(_recipe(tmp_path, "orpo", "{max_steps: 2}"))
     with pytest.raises(ConfigError) as exc:   # SFTConfig's types and names
         load_recipe(_recipe(tmp_path, "sft", "{packing: maybe, max_lenght: 64}"))
     msg = str(exc.value)

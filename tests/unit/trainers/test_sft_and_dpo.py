@@ -103,8 +103,13 @@ def test_cuda_target_folds_tiles_without_fp32_temporaries():
     assert cl._forward_tile.__name__ == "_forward_tile"   # the emulation is undone
 
 
-@pytest.mark.parametrize("make", [lambda: trl.KTOConfig(output_dir="unused", use_cpu=True),
-                                  lambda: "kto", lambda: "online_dpo"])
+def _orpo_config():
+    from trl.experimental.orpo import ORPOConfig
+
+    return ORPOConfig(output_dir="unused", use_cpu=True)
+
+
+@pytest.mark.parametrize("make", [_orpo_config, lambda: "orpo", lambda: "online_dpo"])
 def test_unmodelled_trl_trainers_are_refused_by_name(make):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -114,14 +119,14 @@ def test_unmodelled_trl_trainers_are_refused_by_name(make):
         _est(arg if not isinstance(arg, str) else None, seq_len=64, **kw)
     msg = str(exc.value)
     assert "not modelled" in msg and "'sft'" in msg and "'dpo'" in msg
-    assert ("KTO" in msg) or ("OnlineDPO" in msg)
+    assert ("ORPO" in msg) or ("OnlineDPO" in msg)
     assert "'grpo'" in msg and "'rloo'" in msg   # modelled ones are listed
 
 
 def test_seq_len_is_required_without_max_length_and_ref_model_only_for_dpo():
     with pytest.raises(HfMemkitError, match="seq_len is required"):
         _est({"per_device_train_batch_size": 1})
-    with pytest.raises(HfMemkitError, match="ref_model is a DPOTrainer setting"):
+    with pytest.raises(HfMemkitError, match="ref_model is a DPOTrainer / KTOTrainer setting"):
         _est({"max_length": 64}, trainer="sft", ref_model=True)
     with pytest.raises(HfMemkitError, match="not a SFTConfig field"):
         _est({"max_lenght": 64}, trainer="sft")
