@@ -97,11 +97,7 @@ class DPO(TrlTrainerKind):
         return DPOStep(options)
 
     def reference(self, options: Mapping[str, Any], adapters: bool) -> str | None:
-        if options.get("ref_model"):
-            return "copy"
-        if adapters:
-            return "adapters"
-        return None if options.get("precompute_ref_log_probs") else "copy"
+        return policy_reference(options, adapters)
 
     def notes(self, options: Mapping[str, Any]) -> list[str]:
         return ["DPOTrainer: each example is a chosen and a rejected row (2 x micro-batch rows), "
@@ -144,3 +140,14 @@ class DPO(TrlTrainerKind):
 
 
 register(DPO())
+
+
+def policy_reference(options: Mapping[str, Any], adapters: bool) -> str | None:
+    """The reference of a trainer built like ``DPOTrainer`` (KTO too): the user's own
+    ``ref_model`` is a held copy; a PEFT policy is its own reference, adapters disabled;
+    ``precompute_ref_log_probs`` keeps none during training; else a frozen copy."""
+    if options.get("ref_model"):
+        return "copy"
+    if adapters:
+        return "adapters"
+    return None if options.get("precompute_ref_log_probs") else "copy"

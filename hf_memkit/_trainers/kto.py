@@ -36,6 +36,7 @@ import torch
 
 from .base import BatchShape, TraceStep, TrlTrainerKind, padded_length, register
 from .data import token_rows, word_tokenizer
+from .dpo import policy_reference
 from .fused_head import add_head, fold_context, head_notes
 
 KTO_OUTPUTS = ("log_probs", "entropy", "mean_logits")   # KTOTrainer.__init__
@@ -128,11 +129,7 @@ class KTO(TrlTrainerKind):
         return KTOStep(options)
 
     def reference(self, options: Mapping[str, Any], adapters: bool) -> str | None:
-        if options.get("ref_model"):
-            return "copy"
-        if adapters:
-            return "adapters"
-        return None if options.get("precompute_ref_log_probs") else "copy"
+        return policy_reference(options, adapters)
 
     def notes(self, options: Mapping[str, Any]) -> list[str]:
         kl = ("; a KL row per example (the prompt with another example's completion) is scored "
