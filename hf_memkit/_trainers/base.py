@@ -355,6 +355,20 @@ class TrlTrainerKind(TrainerKind):
                 "in pinned host memory at once (the device keeps the last few it copied, and in "
                 "the backward the ones two autograd nodes use)")
 
+    # what `hf-memkit train` makes from synthetic rows for this trainer ("DPO's preference
+    # pairs"); "": it trains on the rows themselves, any data source
+    synthetic_examples = ""
+
+    def synthetic_problem(self, where: str, synthetic: bool) -> list[str]:
+        """A recipe whose data is not synthetic, for a trainer whose examples ``hf-memkit
+        train`` can only make from synthetic rows (``synthetic_examples``)."""
+        if synthetic or not self.synthetic_examples:
+            return []
+        return [f"{where}: data.source: `hf-memkit train` makes {self.synthetic_examples} only "
+                f"for data: synthetic; for your own data train {self.title} yourself with "
+                "plan.to_training_args() and hf_memkit.MemoryCallback(plan) (hf-memkit plan "
+                f"{where} works as it is)"]
+
     def run_problems(self, *, where: str, synthetic: bool, task: str | None,
                      callbacks: tuple[str, ...]) -> list[str]:
         problems = []

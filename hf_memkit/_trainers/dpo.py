@@ -71,6 +71,7 @@ class DPO(TrlTrainerKind):
     name = "dpo"
     title = "DPOTrainer"
     config_class = "trl.DPOConfig"
+    synthetic_examples = "DPO's preference pairs (prompt, chosen, rejected)"
     sequence_split = False   # chosen and rejected rows go together: not split over ranks
     fields = ("max_length", "precompute_ref_log_probs", "use_weighting", "pad_to_multiple_of",
               "padding_free", "activation_offloading", "loss_type")
@@ -108,15 +109,8 @@ class DPO(TrlTrainerKind):
 
     def run_problems(self, *, where: str, synthetic: bool, task: str | None,
                      callbacks: tuple[str, ...]) -> list[str]:
-        problems = super().run_problems(where=where, synthetic=synthetic, task=task,
-                                        callbacks=callbacks)
-        if not synthetic:
-            problems.insert(0, (
-                f"{where}: data.source: `hf-memkit train` makes DPO's preference pairs (prompt, "
-                "chosen, rejected) only for data: synthetic; for your own pairs train "
-                "DPOTrainer yourself with plan.to_training_args() and "
-                f"hf_memkit.MemoryCallback(plan) (hf-memkit plan {where} works as it is)"))
-        return problems
+        return self.synthetic_problem(where, synthetic) + super().run_problems(
+            where=where, synthetic=synthetic, task=task, callbacks=callbacks)
 
     def build(self, *, model: Any, args: Any, rows: Any, data_collator: Any,
               processing_class: Any, callbacks: list[Any], oom_guard: bool) -> Any:

@@ -86,6 +86,7 @@ class KTO(TrlTrainerKind):
     name = "kto"
     title = "KTOTrainer"
     config_class = "trl.KTOConfig"
+    synthetic_examples = "KTO's labelled completions"
     sequence_split = False   # rows go with their KL rows and reference: not split over ranks
     fields = ("max_length", "precompute_ref_log_probs", "pad_to_multiple_of",
               "activation_offloading", "loss_type")
@@ -143,14 +144,8 @@ class KTO(TrlTrainerKind):
 
     def run_problems(self, *, where: str, synthetic: bool, task: str | None,
                      callbacks: tuple[str, ...]) -> list[str]:
-        problems = super().run_problems(where=where, synthetic=synthetic, task=task,
-                                        callbacks=callbacks)
-        if not synthetic:
-            problems.insert(0, (
-                f"{where}: data.source: `hf-memkit train` makes KTO's labelled completions "
-                "only for data: synthetic; for your own data train KTOTrainer yourself with "
-                "plan.to_training_args() and hf_memkit.MemoryCallback(plan)"))
-        return problems
+        return self.synthetic_problem(where, synthetic) + super().run_problems(
+            where=where, synthetic=synthetic, task=task, callbacks=callbacks)
 
     def build(self, *, model: Any, args: Any, rows: Any, data_collator: Any,
               processing_class: Any, callbacks: list[Any], oom_guard: bool) -> Any:

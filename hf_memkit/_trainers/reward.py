@@ -71,6 +71,7 @@ class Reward(TrlTrainerKind):
     name = "reward"
     title = "RewardTrainer"
     config_class = "trl.RewardConfig"
+    synthetic_examples = "RewardTrainer's pairs"
     sequence_split = False   # chosen and rejected rows go together: not split over ranks
     fields = ("max_length", "pad_to_multiple_of", "activation_offloading",
               "center_rewards_coefficient")
@@ -106,11 +107,7 @@ class Reward(TrlTrainerKind):
             problems.append(f"{where}: model.task: trainer: {self.name} trains a sequence "
                             f"classifier with num_labels=1; set model.task: {TASK} and "
                             "model.overrides: {num_labels: 1}")
-        if not synthetic:
-            problems.append(
-                f"{where}: data.source: `hf-memkit train` makes RewardTrainer's pairs only for "
-                "data: synthetic; for your own pairs train RewardTrainer yourself with "
-                "plan.to_training_args() and hf_memkit.MemoryCallback(plan)")
+        problems += self.synthetic_problem(where, synthetic)
         if "oom_guard" in callbacks:
             problems.append(f"{where}: callbacks: oom_guard splits a micro-batch into rows, "
                             "which would separate chosen from rejected rows; drop it")
